@@ -1,0 +1,46 @@
+"""spec_tree_kernels: engine-agnostic tree ops for EAGLE tree speculative decoding.
+
+Installed from the repository's ``kernels/`` folder under the import name
+``spec_tree_kernels`` (a top-level ``kernels`` module would shadow the
+unrelated PyPI package that transformers imports).
+
+Ops (``api.py`` documents shapes, dtypes and layouts):
+
+* ``select_tree_nodes``  EAGLE-2 global top-(T-1) over the draft pool, ancestor-closed.
+* ``build_tree``         positions, retrieve links and the tree mask (``TreeMaskMode``).
+* ``verify_tree_greedy`` greedy tree walk: accepted path, length, emitted tokens.
+* ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
+* ``mask_bytes_per_request`` memory of each mask mode.
+
+Each op has a torch reference (``reference``), a Triton implementation
+(``triton_ops``) and a CUDA one (``cuda_ops``), chosen by ``impl=``.
+"""
+
+from .api import (
+    build_tree,
+    move_accepted_kv,
+    parent_list_width,
+    pool_size,
+    resolve_impl,
+    select_tree_nodes,
+    validate_tree_shape,
+    verify_tree_greedy,
+)
+from .modes import TreeMaskMode, mask_bytes_per_request, parse_mask_mode
+from .reference import TreeBuild, VerifyResult
+
+__all__ = [
+    "TreeBuild",
+    "TreeMaskMode",
+    "VerifyResult",
+    "build_tree",
+    "mask_bytes_per_request",
+    "move_accepted_kv",
+    "parent_list_width",
+    "parse_mask_mode",
+    "pool_size",
+    "resolve_impl",
+    "select_tree_nodes",
+    "validate_tree_shape",
+    "verify_tree_greedy",
+]

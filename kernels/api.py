@@ -1,0 +1,399 @@
+"""The public, dispatching API of the tree kernel module.
+
+Each op validates its arguments (shapes, dtypes, devices: no host sync), then
+runs one implementation:
+
+* ``impl="torch"``  the reference in ``reference.py`` (any device);
+* ``impl="triton"`` the Triton kernels in ``triton_ops.py`` (CUDA tensors, or
+  CPU tensors under ``TRITON_INTERPRET=1``);
+* ``impl="cuda"``   the CUDA C++ kernels in ``cuda_ops.py`` (JIT-built);
+* ``impl="auto"``   (default) the fastest available for the tensors' device:
+  see ``_AUTO_PREFERENCE``; the reference on CPU.
+
+``SPEC_TREE_KERNELS_IMPL`` overrides ``auto`` process-wide.
+
+Value checks that need the data (NaN scores, an open tree) cost a host sync
+and run only with ``validate=True`` (the default); engine hot paths pass
+``validate=False`` after validating their configuration at startup. Even
+unvalidated, NaN scores rank last and never open the tree.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+import torch
+
+from . import reference
+from .modes import MAX_TREE_NODES, TreeMaskMode, max_nodes, parse_mask_mode
+from .reference import TreeBuild, VerifyResult
+
+IMPLS = ("torch", "triton", "cuda")
+# Measured on an H200 (results/README): per op, the faster of CUDA and Triton.
+_AUTO_PREFERENCE = {
+    "select": ("triton", "torch"),
+    "build": ("cuda", "triton", "torch"),
+    "verify": ("cuda", "triton", "torch"),
+    "move_kv": ("triton", "cuda", "torch"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        from . import triton_ops  # noqa: F401
+    except Exception:  # triton missing or broken: the reference still works
+        return False
+    return True
+
+
+def triton_usable(device: torch.device) -> bool:
+    if not triton_available():
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cuda_usable(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    from . import cuda_ops
+
+    return cuda_ops.available()
+
+
+def resolve_impl(op: str, impl: str, device: torch.device) -> str:
+    """Pick the implementation for ``op`` on ``device`` (see module doc)."""
+    if impl == "auto":
+        impl = os.environ.get("SPEC_TREE_KERNELS_IMPL", "auto")
+    if impl == "auto":
+        if device.type != "cuda":
+            return "torch"
+        for choice in _AUTO_PREFERENCE[op]:
+            if choice == "torch" or (choice == "triton" and triton_usable(device)) or (
+                choice == "cuda" and cuda_usable(device)
+            ):
+                return choice
+        return "torch"
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {('auto',) + IMPLS}, got {impl!r}")
+    if impl == "triton" and not triton_usable(device):
+        raise RuntimeError(
+            f"impl='triton' needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors "
+            f"(device={device}, triton importable={triton_available()})"
+        )
+    if impl == "cuda" and not cuda_usable(device):
+        raise RuntimeError(f"impl='cuda' needs CUDA tensors and a built CUDA extension (device={device})")
+    return impl
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes: tuple, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
+
+
+def _check_positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def pool_size(topk: int, num_steps: int) -> int:
+    """Candidates in the draft pool: K + (S - 1) * K^2."""
+    return topk + (num_steps - 1) * topk * topk
+
+
+def parent_list_width(topk: int, num_steps: int) -> int:
+    """Width of SGLang's parent_list: 0 for one step, else 1 + (S - 1) * K."""
+    return 0 if num_steps == 1 else 1 + (num_steps - 1) * topk
+
+
+def validate_tree_shape(num_steps: int, topk: int, num_draft_tokens: int, mode="QLEN_ONLY") -> None:
+    """Startup check of a tree configuration; raises ValueError naming the bad value."""
+    _check_positive("num_steps", num_steps)
+    _check_positive("topk", topk)
+    _check_positive("num_draft_tokens", num_draft_tokens)
+    mode = parse_mask_mode(mode)
+    pool = pool_size(topk, num_steps)
+    if num_draft_tokens - 1 > pool:
+        raise ValueError(
+            f"num_draft_tokens={num_draft_tokens} needs {num_draft_tokens - 1} draft nodes but "
+            f"num_steps={num_steps}, topk={topk} only draft {pool} candidates"
+        )
+    if num_draft_tokens > max_nodes(mode):
+        raise ValueError(
+            f"num_draft_tokens={num_draft_tokens} exceeds what mask mode {mode.name} supports "
+            f"({max_nodes(mode)} nodes)"
+        )
+
+
+# ----------------------------------------------------------------------- ops
+
+
+def select_tree_nodes(
+    scores: torch.Tensor,
+    parent_list: torch.Tensor,
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+    *,
+    validate: bool = True,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Choose the T - 1 best draft candidates as a closed tree (EAGLE-2).
+
+    scores:      [B, P] float16/bfloat16/float32/float64, P = K + (S-1)*K^2,
+                 cumulative path scores in SGLang's pool order (step-major;
+                 within a later step, survivor-major then child).
+    parent_list: [B, 1 + (S-1)*K] int64 ([B, 0] when S == 1), SGLang's
+                 parent_list: pool index of the parent of each group of K.
+    Returns:     [B, T - 1] int64 pool indices, ascending (SGLang's
+                 ``top_scores_index``). Ties rank the shallower candidate, then
+                 the lower pool index, first; every selected candidate's parent
+                 is selected or is the root. Equals SGLang's selection whenever
+                 the T-1 best scores are strictly ordered.
+    """
+    _check_positive("topk", topk)
+    _check_positive("num_steps", num_steps)
+    _check_positive("num_draft_tokens", num_draft_tokens)
+    _check_tensor("scores", scores, 2, (torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    _check_tensor("parent_list", parent_list, 2, (torch.int64,), scores.device)
+    batch, pool = scores.shape
+    if pool != pool_size(topk, num_steps):
+        raise ValueError(
+            f"scores has {pool} candidates per request; topk={topk}, num_steps={num_steps} "
+            f"give {pool_size(topk, num_steps)}"
+        )
+    if tuple(parent_list.shape) != (batch, parent_list_width(topk, num_steps)):
+        raise ValueError(
+            f"parent_list must have shape {(batch, parent_list_width(topk, num_steps))}, "
+            f"got {tuple(parent_list.shape)}"
+        )
+    if num_draft_tokens - 1 > pool:
+        raise ValueError(
+            f"num_draft_tokens={num_draft_tokens} asks for {num_draft_tokens - 1} nodes from a pool "
+            f"of {pool} candidates (topk={topk}, num_steps={num_steps})"
+        )
+    if validate:
+        if bool(torch.isnan(scores).any()):
+            raise ValueError("scores contain NaN: the draft's probabilities are broken")
+        _check_parent_list_values(parent_list, topk, num_steps)
+    scores = torch.nan_to_num(scores.float(), nan=float("-inf"))
+    if batch == 0 or num_draft_tokens == 1:
+        return torch.empty(batch, num_draft_tokens - 1, dtype=torch.int64, device=scores.device)
+    which = resolve_impl("select", impl, scores.device)
+    if which == "triton":
+        from . import triton_ops
+
+        return triton_ops.select_tree_nodes(scores, parent_list, topk, num_steps, num_draft_tokens)
+    return reference.select_tree_nodes(scores, parent_list, topk, num_steps, num_draft_tokens)
+
+
+def _check_parent_list_values(parent_list: torch.Tensor, topk: int, num_steps: int) -> None:
+    """Group g >= 1 (expansion at step s = 1 + (g - 1) // K) must name a pool
+    index of step s - 1, and group 0 must be the root sentinel -1."""
+    if parent_list.shape[1] == 0:
+        return
+    groups = torch.arange(parent_list.shape[1], device=parent_list.device)
+    step = torch.where(groups == 0, 0, 1 + (groups - 1) // topk)
+    bounds = torch.tensor([(-1, 0)] + reference.pool_step_bounds(topk, num_steps), device=parent_list.device)
+    lo, hi = bounds[step, 0], bounds[step, 1]  # parent of a step-s group lives in step s-1
+    bad = (parent_list < lo) | (parent_list >= hi)
+    if bool(bad.any()):
+        b, g = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"parent_list[{b}, {g}] = {int(parent_list[b, g])} is not a candidate of the previous "
+            f"draft step (expected in [{int(lo[g])}, {int(hi[g])}))"
+        )
+
+
+def build_tree(
+    selected_index: torch.Tensor,
+    parent_list: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    num_steps: int,
+    mode: "TreeMaskMode | int | str" = TreeMaskMode.QLEN_ONLY,
+    *,
+    seq_lens_sum: int | None = None,
+    fill_prefix_mask: bool = True,
+    tree_mask_buf: torch.Tensor | None = None,
+    validate: bool = True,
+    impl: str = "auto",
+) -> TreeBuild:
+    """Positions, retrieve links and the tree mask for B requests of T nodes.
+
+    selected_index: [B, T - 1] int64 pool indices (``select_tree_nodes``);
+                    node i + 1 is candidate selected_index[:, i], node 0 the root.
+    parent_list:    as for ``select_tree_nodes``.
+    seq_lens:       [B] int64 committed context length per request.
+    mode:           a ``TreeMaskMode`` (layouts in ``modes``).
+    seq_lens_sum:   sum(seq_lens) as a host int (FULL_MASK only; computed with
+                    a host sync when omitted).
+    fill_prefix_mask: FULL_MASK only: write True into the prefix columns.
+                    Pass False when the consumer never reads them.
+    tree_mask_buf:  optional preallocated mask buffer (large enough).
+    Returns ``TreeBuild``; with validate=True raises ValueError on a selection
+    that is not a closed tree.
+    """
+    mode = parse_mask_mode(mode)
+    _check_positive("topk", topk)
+    _check_positive("num_steps", num_steps)
+    _check_tensor("selected_index", selected_index, 2, (torch.int64,))
+    device = selected_index.device
+    _check_tensor("parent_list", parent_list, 2, (torch.int64,), device)
+    _check_tensor("seq_lens", seq_lens, 1, (torch.int64,), device)
+    batch, num_selected = selected_index.shape
+    nodes = num_selected + 1
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries for {batch} requests in selected_index")
+    if tuple(parent_list.shape) != (batch, parent_list_width(topk, num_steps)):
+        raise ValueError(
+            f"parent_list must have shape {(batch, parent_list_width(topk, num_steps))}, "
+            f"got {tuple(parent_list.shape)}"
+        )
+    if nodes > max_nodes(mode):
+        raise ValueError(f"num_draft_tokens={nodes} exceeds mask mode {mode.name}'s limit of {max_nodes(mode)}")
+    if num_selected > pool_size(topk, num_steps):
+        raise ValueError(
+            f"selected_index has {num_selected} nodes per request, more than the pool of "
+            f"{pool_size(topk, num_steps)} (topk={topk}, num_steps={num_steps})"
+        )
+    if mode == TreeMaskMode.FULL_MASK and seq_lens_sum is None:
+        seq_lens_sum = int(seq_lens.sum())
+    seq_lens_sum = int(seq_lens_sum or 0)
+    if validate:
+        pool = pool_size(topk, num_steps)
+        if bool(((selected_index < 0) | (selected_index >= pool)).any()):
+            raise ValueError(f"selected_index has entries outside the candidate pool [0, {pool})")
+        _check_parent_list_values(parent_list, topk, num_steps)
+    which = resolve_impl("build", impl, device)
+    if which == "triton":
+        from . import triton_ops
+
+        out, ok = triton_ops.build_tree(
+            selected_index, parent_list, seq_lens, topk, num_steps, mode, seq_lens_sum, fill_prefix_mask, tree_mask_buf
+        )
+    elif which == "cuda":
+        from . import cuda_ops
+
+        out, ok = cuda_ops.build_tree(
+            selected_index, parent_list, seq_lens, topk, num_steps, mode, seq_lens_sum, fill_prefix_mask, tree_mask_buf
+        )
+    else:
+        out, ok = reference.build_tree(
+            selected_index, parent_list, seq_lens, topk, num_steps, mode, seq_lens_sum, fill_prefix_mask, tree_mask_buf
+        )
+    if validate and not bool(ok.all()):
+        bad = int((~ok).nonzero()[0, 0])
+        raise ValueError(
+            f"selection of request {bad} is not a closed tree of depth <= num_steps={num_steps}: "
+            f"some node's parent candidate was not selected (selected_index[{bad}] = "
+            f"{selected_index[bad].tolist()})"
+        )
+    return out
+
+
+def verify_tree_greedy(
+    candidates: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    target_predict: torch.Tensor,
+    num_steps: int,
+    *,
+    impl: str = "auto",
+) -> VerifyResult:
+    """Greedy tree walk (SGLang's ``verify_tree_greedy``, node-local indices).
+
+    candidates:     [B, T] int64 node tokens (node 0 = the root/bonus token).
+    retrieve_next_token / retrieve_next_sibling: [B, T] int64 from ``build_tree``.
+    target_predict: [B, T] int64 target argmax at every node.
+    num_steps:      D; the accepted-path arrays are D + 1 wide.
+    Returns ``VerifyResult`` (accept_index [B, D+1] int32, accept_length [B]
+    int32, accept_tokens [B, D+1] int64).
+    """
+    _check_positive("num_steps", num_steps)
+    _check_tensor("candidates", candidates, 2, (torch.int64,))
+    device = candidates.device
+    for name, t in (
+        ("retrieve_next_token", retrieve_next_token),
+        ("retrieve_next_sibling", retrieve_next_sibling),
+        ("target_predict", target_predict),
+    ):
+        _check_tensor(name, t, 2, (torch.int64,), device)
+        if t.shape != candidates.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, candidates has {tuple(candidates.shape)}")
+    if candidates.shape[1] < 1 or candidates.shape[1] > MAX_TREE_NODES:
+        raise ValueError(f"candidates must have 1..{MAX_TREE_NODES} nodes per request, got {candidates.shape[1]}")
+    which = resolve_impl("verify", impl, device)
+    if which == "triton":
+        from . import triton_ops
+
+        return triton_ops.verify_tree_greedy(candidates, retrieve_next_token, retrieve_next_sibling, target_predict, num_steps)
+    if which == "cuda":
+        from . import cuda_ops
+
+        return cuda_ops.verify_tree_greedy(candidates, retrieve_next_token, retrieve_next_sibling, target_predict, num_steps)
+    return reference.verify_tree_greedy(candidates, retrieve_next_token, retrieve_next_sibling, target_predict, num_steps)
+
+
+def move_accepted_kv(
+    caches: Sequence[torch.Tensor],
+    verify_slots: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_length: torch.Tensor,
+    *,
+    impl: str = "auto",
+) -> None:
+    """Compact each request's accepted path to the front of its verify slots.
+
+    caches:       per-layer K and V tensors, each viewed as
+                  [num_blocks, block_size, H, D] (slot s lives at
+                  [s // block_size, s % block_size]; any strides, e.g. vLLM's
+                  flash layout ``kv[0]``, vLLM CPU's ``[blocks, H, bs, D]``
+                  permuted, SGLang's token pool ``[slots, H, D].unsqueeze(1)``).
+    verify_slots: [B, T] int64 slot of each verify node.
+    accept_index: [B, D + 1] int32/int64 node indices (root first, -1 padded).
+    accept_length:[B] int32/int64 accepted draft nodes.
+    In place: the slot of depth d receives node accept_index[d]'s row, for
+    d <= accept_length; safe although sources and destinations overlap.
+    """
+    _check_tensor("verify_slots", verify_slots, 2, (torch.int64,))
+    device = verify_slots.device
+    _check_tensor("accept_index", accept_index, 2, (torch.int32, torch.int64), device)
+    _check_tensor("accept_length", accept_length, 1, (torch.int32, torch.int64), device)
+    if accept_index.shape[0] != verify_slots.shape[0] or accept_length.shape[0] != verify_slots.shape[0]:
+        raise ValueError(
+            f"batch sizes differ: verify_slots {verify_slots.shape[0]}, accept_index "
+            f"{accept_index.shape[0]}, accept_length {accept_length.shape[0]}"
+        )
+    caches = list(caches)
+    for i, cache in enumerate(caches):
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+            raise ValueError(f"caches[{i}] must be a 4-D [num_blocks, block_size, H, D] tensor view")
+        if cache.device != device:
+            raise ValueError(f"caches[{i}] is on {cache.device}, verify_slots on {device}")
+    if not caches or verify_slots.shape[0] == 0:
+        return
+    which = resolve_impl("move_kv", impl, device)
+    if which == "triton":
+        from . import triton_ops
+
+        return triton_ops.move_accepted_kv(caches, verify_slots, accept_index, accept_length)
+    if which == "cuda":
+        from . import cuda_ops
+
+        return cuda_ops.move_accepted_kv(caches, verify_slots, accept_index, accept_length)
+    return reference.move_accepted_kv(caches, verify_slots, accept_index, accept_length)

@@ -1,0 +1,105 @@
+"""Tree-mask modes and their memory cost.
+
+The first three values equal SGLang 0.5.23's ``TreeMaskMode`` (an IntEnum in
+``sglang/kernels/ops/speculative/spec_tree.py``) so a mode can be handed to
+SGLang code unchanged; the last two are ours.
+
+Layouts (B = batch, T = num_draft_tokens = nodes per request including the
+root, L_b = committed context length of request b):
+
+FULL_MASK (0)
+    Flat ``torch.bool`` of ``sum_b(L_b) * T + B * T * T`` entries. Request b
+    owns ``T`` consecutive rows of width ``L_b + T`` starting at
+    ``T * T * b + T * sum_{c<b} L_c``. Columns ``[0, L_b)`` are the prefix
+    (True when ``fill_prefix_mask``, untouched otherwise), column ``L_b + j``
+    is node j. Byte-identical to SGLang.
+QLEN_ONLY (1)
+    Flat ``torch.bool`` of ``B * T * T``: row i, column j is True iff node j
+    is node i or one of its ancestors. Byte-identical to SGLang.
+QLEN_ONLY_BITPACKING (2)
+    Flat ``B * T`` words of uint8 (T <= 8), uint16 (T <= 16) or uint32
+    (T <= 32); bit j of row i's word as QLEN_ONLY's column j. T <= 32 only.
+    Byte-identical to SGLang.
+ANCESTOR_BITMASK (3)
+    ``[B, T, W]`` int64 with ``W = ceil(T / 64)``: bit ``j % 64`` of word
+    ``j // 64`` of row i is QLEN_ONLY's (i, j). Any T.
+PARENT_POINTER (4)
+    ``[B, 2, T]`` int16: ``[:, 0]`` the parent node of each node (-1 for the
+    root), ``[:, 1]`` its depth. O(T) bytes; a consumer walks ancestry.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+MAX_BITPACKED_NODES = 32
+MAX_TREE_NODES = 1024  # int16 parent pointers and SGLang's own kernel bound
+
+
+class TreeMaskMode(enum.IntEnum):
+    FULL_MASK = 0
+    QLEN_ONLY = 1
+    QLEN_ONLY_BITPACKING = 2
+    ANCESTOR_BITMASK = 3
+    PARENT_POINTER = 4
+
+
+def parse_mask_mode(mode: "TreeMaskMode | int | str") -> TreeMaskMode:
+    """Accept an enum member, its integer value or its name (any case)."""
+    if isinstance(mode, TreeMaskMode):
+        return mode
+    if isinstance(mode, str):
+        try:
+            return TreeMaskMode[mode.strip().upper()]
+        except KeyError:
+            pass
+    else:
+        try:
+            return TreeMaskMode(int(mode))
+        except (ValueError, TypeError):
+            pass
+    names = ", ".join(m.name for m in TreeMaskMode)
+    raise ValueError(f"unknown tree mask mode {mode!r}; expected one of: {names}")
+
+
+def bitpacked_word_bytes(num_draft_tokens: int) -> int:
+    """Bytes of one QLEN_ONLY_BITPACKING row word, as SGLang picks them."""
+    if num_draft_tokens > MAX_BITPACKED_NODES:
+        raise ValueError(
+            f"QLEN_ONLY_BITPACKING holds at most {MAX_BITPACKED_NODES} nodes per row, "
+            f"got num_draft_tokens={num_draft_tokens}; use ANCESTOR_BITMASK"
+        )
+    return 4 if num_draft_tokens > 16 else (2 if num_draft_tokens > 8 else 1)
+
+
+def ancestor_bitmask_words(num_draft_tokens: int) -> int:
+    return max(1, math.ceil(num_draft_tokens / 64))
+
+
+def max_nodes(mode: "TreeMaskMode | int | str") -> int:
+    mode = parse_mask_mode(mode)
+    return MAX_BITPACKED_NODES if mode == TreeMaskMode.QLEN_ONLY_BITPACKING else MAX_TREE_NODES
+
+
+def mask_bytes_per_request(mode: "TreeMaskMode | int | str", num_draft_tokens: int, context_len: int) -> int:
+    """Bytes of tree mask one request needs per verify step.
+
+    FULL_MASK: T * (L + T); QLEN_ONLY: T * T; QLEN_ONLY_BITPACKING: T * {1,2,4};
+    ANCESTOR_BITMASK: T * 8 * ceil(T / 64); PARENT_POINTER: 2 * 2 * T.
+    """
+    mode = parse_mask_mode(mode)
+    t = int(num_draft_tokens)
+    if t < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if context_len < 0:
+        raise ValueError(f"context_len must be >= 0, got {context_len}")
+    if mode == TreeMaskMode.FULL_MASK:
+        return t * (int(context_len) + t)
+    if mode == TreeMaskMode.QLEN_ONLY:
+        return t * t
+    if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
+        return t * bitpacked_word_bytes(t)
+    if mode == TreeMaskMode.ANCESTOR_BITMASK:
+        return t * 8 * ancestor_bitmask_words(t)
+    return 2 * 2 * t

@@ -1,0 +1,322 @@
+"""Pure-torch reference implementations: the executable specification.
+
+Every function here is batched over requests and runs on any device; the
+Triton and CUDA implementations must equal these bit for bit. Arguments are
+assumed already validated by ``spec_tree_kernels.api`` (shapes, dtypes).
+
+Notation: B requests, S = num_steps (draft forwards), K = topk,
+P = K + (S - 1) * K * K candidates in the draft pool, T = num_draft_tokens
+(tree nodes per request including the root), D + 1 = S + 1 accepted-path
+width. Node-indexed arrays are T wide, accepted-path arrays D + 1 wide.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .modes import TreeMaskMode, ancestor_bitmask_words, bitpacked_word_bytes
+
+
+class TreeBuild(NamedTuple):
+    """Everything the verify pass needs, for B requests of T nodes each.
+
+    tree_mask:             layout per ``modes.TreeMaskMode``.
+    positions:             [B, T] int64, context length + node depth.
+    retrieve_index:        [B, T] int64, b * T + i (flat slot of node i).
+    retrieve_next_token:   [B, T] int64, first child of node i, -1 if none.
+    retrieve_next_sibling: [B, T] int64, next sibling of node i, -1 if none.
+    """
+
+    tree_mask: torch.Tensor
+    positions: torch.Tensor
+    retrieve_index: torch.Tensor
+    retrieve_next_token: torch.Tensor
+    retrieve_next_sibling: torch.Tensor
+
+
+class VerifyResult(NamedTuple):
+    """Greedy tree-walk result for B requests (accepted-path arrays, D + 1 wide).
+
+    accept_index:  [B, D + 1] int32, node index (0..T-1) accepted at each depth,
+                   node 0 (the root) first, -1 padded.
+    accept_length: [B] int32, accepted draft nodes (root excluded).
+    accept_tokens: [B, D + 1] int64, the tokens this step emits: the target's
+                   argmax at each accepted node (= the next accepted draft token,
+                   and for the last one the bonus token), -1 padded; a request
+                   emits accept_length + 1 tokens.
+    """
+
+    accept_index: torch.Tensor
+    accept_length: torch.Tensor
+    accept_tokens: torch.Tensor
+
+
+def pool_step_bounds(topk: int, num_steps: int) -> list[tuple[int, int]]:
+    """[start, end) of each draft step's candidates inside the pool."""
+    bounds = [(0, topk)]
+    for step in range(1, num_steps):
+        start = topk + (step - 1) * topk * topk
+        bounds.append((start, start + topk * topk))
+    return bounds
+
+
+def path_min_scores(scores: torch.Tensor, parent_list: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
+    """[B, P] float32: each candidate's score clamped to its ancestors' minimum.
+
+    For honest cumulative probabilities this is the identity (a product of
+    factors <= 1 never exceeds its prefix); for anything else it makes every
+    child rank no higher than its parent, so ancestor-first tie breaking
+    yields a closed tree whatever the input.
+    """
+    eff = scores.float() + 0.0  # -0.0 -> +0.0, so every implementation orders zeros alike
+    for start, end in pool_step_bounds(topk, num_steps)[1:]:
+        groups = torch.arange(start, end, device=scores.device) // topk
+        parent_pool = parent_list[:, groups]  # [B, K*K] pool index of each candidate's parent
+        eff[:, start:end] = torch.minimum(eff[:, start:end], eff.gather(1, parent_pool))
+    return eff
+
+
+def select_tree_nodes(
+    scores: torch.Tensor, parent_list: torch.Tensor, topk: int, num_steps: int, num_draft_tokens: int
+) -> torch.Tensor:
+    """EAGLE-2 global selection of the T - 1 best candidates, ancestor-closed.
+
+    scores:      [B, P] float, cumulative path scores (SGLang's flattened
+                 ``score_list``); NaN must be rejected by the caller.
+    parent_list: [B, 1 + (S - 1) * K] int64 (or [B, 0] when S == 1), pool index
+                 of the parent of each expansion group (group = pool index // K,
+                 group 0 = children of the root), SGLang's ``parent_list``.
+    Returns      [B, T - 1] int64 pool indices in ascending order.
+
+    Ranking key: (path-min score descending, pool index ascending). Pool order
+    is step-major, so ties go to the shallower node and a parent always
+    precedes its children; without ties this is exactly SGLang's
+    ``torch.topk`` + sort.
+    """
+    eff = path_min_scores(scores, parent_list, topk, num_steps)
+    order = torch.sort(eff, dim=1, descending=True, stable=True).indices
+    return torch.sort(order[:, : num_draft_tokens - 1], dim=1).values
+
+
+def node_parents(
+    selected_index: torch.Tensor, parent_list: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parent node of each node, from SGLang-format selection.
+
+    Returns (parent [B, T] int64 with -1 for the root and -2 for a node whose
+    parent candidate was not selected, i.e. an open tree; found [B, T-1] bool).
+    """
+    batch, num_selected = selected_index.shape
+    root = torch.full((batch, 1), -1, dtype=torch.int64, device=selected_index.device)
+    if num_selected == 0:
+        return root, torch.ones(batch, 0, dtype=torch.bool, device=selected_index.device)
+    group = selected_index // topk
+    if parent_list.shape[1] > 0:
+        parent_pool = parent_list.gather(1, group.clamp(max=parent_list.shape[1] - 1))
+    else:
+        parent_pool = torch.full_like(group, -1)
+    matches = selected_index[:, None, :] == parent_pool[:, :, None]  # [B, child, candidate]
+    found = matches.any(dim=2)
+    first_match = matches.to(torch.int8).argmax(dim=2)
+    parent = torch.where(group == 0, 0, torch.where(found, first_match + 1, -2))
+    return torch.cat([root, parent], dim=1), found | (group == 0)
+
+
+def ancestor_matrix(parent: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ancestor-or-self matrix and depths by climbing ``max_depth`` levels.
+
+    parent: [B, T] int64 (-1 root). Returns (anc [B, T, T] bool, anc[b, i, j]
+    iff j is i or an ancestor of i; depth [B, T] int64; ok [B] bool, False where
+    some node is deeper than max_depth or hangs off a missing parent).
+    """
+    batch, nodes = parent.shape
+    device = parent.device
+    anc = torch.eye(nodes, dtype=torch.bool, device=device).expand(batch, nodes, nodes).clone()
+    depth = torch.zeros_like(parent)
+    cur = torch.arange(nodes, device=device).expand(batch, nodes)
+    for _ in range(max_depth + 1):  # the last climb steps from the root to -1
+        cur = torch.where(cur >= 0, parent.gather(1, cur.clamp(min=0)), cur)
+        climbed = cur >= 0
+        depth += climbed
+        anc |= torch.nn.functional.one_hot(cur.clamp(min=0), nodes).bool() & climbed[..., None]
+    ok = (cur == -1).all(dim=1) & (parent[:, 1:] >= 0).all(dim=1)
+    return anc, depth, ok
+
+
+def tree_links(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-child / next-sibling arrays ([B, T] int64, -1 = none), children in
+    ascending node order (SGLang's order)."""
+    nodes = parent.shape[1]
+    idx = torch.arange(nodes, device=parent.device)
+    big = torch.full((), nodes, dtype=torch.int64, device=parent.device)
+    is_child = parent[:, None, :] == idx[None, :, None]  # [B, p, j]: j is a child of p
+    first_child = torch.where(is_child, idx, big).min(dim=2).values
+    same_parent_after = (parent[:, :, None] == parent[:, None, :]) & (idx[None, None, :] > idx[None, :, None])
+    same_parent_after[:, 0, :] = False  # the root has no siblings
+    next_sibling = torch.where(same_parent_after, idx, big).min(dim=2).values
+    none = torch.full_like(first_child, -1)
+    return torch.where(first_child == nodes, none, first_child), torch.where(next_sibling == nodes, none, next_sibling)
+
+
+def encode_mask(
+    anc: torch.Tensor,
+    parent: torch.Tensor,
+    depth: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mode: TreeMaskMode,
+    seq_lens_sum: int,
+    fill_prefix_mask: bool,
+    tree_mask_buf: torch.Tensor | None,
+) -> torch.Tensor:
+    """Write the ancestor matrix in ``mode``'s layout (see ``modes``)."""
+    batch, nodes, _ = anc.shape
+    device = anc.device
+    if mode == TreeMaskMode.QLEN_ONLY:
+        out = tree_mask_buf if tree_mask_buf is not None else torch.empty(batch * nodes * nodes, dtype=torch.bool, device=device)
+        out[: batch * nodes * nodes] = anc.flatten()
+        return out
+    if mode == TreeMaskMode.FULL_MASK:
+        size = seq_lens_sum * nodes + nodes * nodes * batch
+        out = tree_mask_buf if tree_mask_buf is not None else torch.empty(size, dtype=torch.bool, device=device)
+        if fill_prefix_mask:
+            out[:size].fill_(True)
+        prefix = torch.cumsum(seq_lens, 0) - seq_lens
+        row_start = nodes * nodes * torch.arange(batch, device=device) + nodes * prefix  # [B]
+        width = seq_lens + nodes
+        idx = torch.arange(nodes, device=device)
+        cell = (
+            row_start[:, None, None]
+            + width[:, None, None] * idx[None, :, None]
+            + seq_lens[:, None, None]
+            + idx[None, None, :]
+        )
+        out[cell.flatten()] = anc.flatten()
+        return out
+    if mode in (TreeMaskMode.QLEN_ONLY_BITPACKING, TreeMaskMode.ANCESTOR_BITMASK):
+        if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
+            words, word_bits = 1, 8 * bitpacked_word_bytes(nodes)
+        else:
+            words, word_bits = ancestor_bitmask_words(nodes), 64
+        padded = torch.zeros(batch, nodes, words * word_bits, dtype=torch.int64, device=device)
+        padded[:, :, :nodes] = anc
+        bit = torch.arange(word_bits, device=device, dtype=torch.int64)
+        packed = (padded.view(batch, nodes, words, word_bits) << bit).sum(dim=3)  # distinct bits: sum == or
+        if mode == TreeMaskMode.ANCESTOR_BITMASK:
+            out = tree_mask_buf if tree_mask_buf is not None else torch.empty(batch, nodes, words, dtype=torch.int64, device=device)
+            out.copy_(packed.view(out.shape))
+            return out
+        nbytes = word_bits // 8
+        byte_shift = 8 * torch.arange(nbytes, device=device, dtype=torch.int64)
+        as_bytes = ((packed[:, :, 0, None] >> byte_shift) & 0xFF).to(torch.uint8)  # little endian
+        word_dtype = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[nbytes]
+        words_out = as_bytes.view(batch * nodes * nbytes).view(word_dtype)
+        if tree_mask_buf is None:
+            return words_out.clone()
+        tree_mask_buf[: batch * nodes] = words_out
+        return tree_mask_buf
+    out = tree_mask_buf if tree_mask_buf is not None else torch.empty(batch, 2, nodes, dtype=torch.int16, device=device)
+    out[:, 0] = parent
+    out[:, 1] = depth
+    return out
+
+
+def build_tree(
+    selected_index: torch.Tensor,
+    parent_list: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    num_steps: int,
+    mode: TreeMaskMode,
+    seq_lens_sum: int,
+    fill_prefix_mask: bool = True,
+    tree_mask_buf: torch.Tensor | None = None,
+) -> tuple[TreeBuild, torch.Tensor]:
+    """Tree structure and mask from a selection (see ``TreeBuild``).
+
+    selected_index: [B, T - 1] int64 pool indices (any order; SGLang's is
+    ascending and node i + 1 is selected_index[:, i]). seq_lens: [B] int64.
+    Returns (TreeBuild, ok [B] bool: False where the selection is not a closed
+    tree of depth <= num_steps).
+    """
+    batch, num_selected = selected_index.shape
+    nodes = num_selected + 1
+    device = selected_index.device
+    parent, found = node_parents(selected_index, parent_list, topk)
+    anc, depth, ok = ancestor_matrix(parent, num_steps)
+    ok = ok & found.all(dim=1)
+    first_child, next_sibling = tree_links(parent)
+    mask = encode_mask(anc, parent, depth, seq_lens, mode, seq_lens_sum, fill_prefix_mask, tree_mask_buf)
+    retrieve_index = torch.arange(batch * nodes, device=device, dtype=torch.int64).view(batch, nodes)
+    positions = seq_lens[:, None].to(torch.int64) + depth
+    return TreeBuild(mask, positions, retrieve_index, first_child, next_sibling), ok
+
+
+def verify_tree_greedy(
+    candidates: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    target_predict: torch.Tensor,
+    max_depth: int,
+) -> VerifyResult:
+    """Greedy walk: from the root, descend to the first child and scan its
+    siblings for the target's argmax at the parent; accept, repeat.
+
+    candidates, target_predict: [B, T] int64 (node tokens, node 0 = root; the
+    target's argmax at each node). Links: [B, T] int64. Returns ``VerifyResult``
+    with accepted-path arrays max_depth + 1 wide.
+    """
+    batch, nodes = candidates.shape
+    device = candidates.device
+    width = max_depth + 1
+    accept_index = torch.full((batch, width), -1, dtype=torch.int64, device=device)
+    accept_index[:, 0] = 0
+    cur = torch.zeros(batch, dtype=torch.int64, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    for depth in range(1, width):
+        wanted = target_predict.gather(1, cur[:, None])[:, 0]
+        child = retrieve_next_token.gather(1, cur[:, None])[:, 0]
+        chosen = torch.full_like(cur, -1)
+        for _ in range(nodes - 1):  # a node has at most T - 1 children
+            scanning = alive & (chosen < 0) & (child >= 0)
+            if not bool(scanning.any()):
+                break
+            safe = child.clamp(min=0)[:, None]
+            hit = scanning & (candidates.gather(1, safe)[:, 0] == wanted)
+            chosen = torch.where(hit, child, chosen)
+            child = torch.where(scanning & ~hit, retrieve_next_sibling.gather(1, safe)[:, 0], child)
+        alive = alive & (chosen >= 0)
+        accept_index[:, depth] = torch.where(alive, chosen, -1)
+        cur = torch.where(alive, chosen, cur)
+    accept_length = (accept_index[:, 1:] >= 0).sum(dim=1)
+    accept_tokens = torch.where(
+        accept_index >= 0, target_predict.gather(1, accept_index.clamp(min=0)), torch.full_like(accept_index, -1)
+    )
+    return VerifyResult(accept_index.to(torch.int32), accept_length.to(torch.int32), accept_tokens)
+
+
+def move_accepted_kv(
+    caches: Sequence[torch.Tensor],
+    verify_slots: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_length: torch.Tensor,
+) -> None:
+    """In place: for every request, slot of depth d <- slot of node accept_index[d].
+
+    caches: tensors viewed as [num_blocks, block_size, ...] (slot s is
+    [s // block_size, s % block_size]; any strides). verify_slots: [B, T] int64
+    slot of each node. accept_index: [B, D + 1] node indices, -1 padded;
+    accept_length: [B]. All sources are read before any destination is written.
+    """
+    width = accept_index.shape[1]
+    nodes = verify_slots.shape[1]
+    depth = torch.arange(width, device=verify_slots.device)
+    index = accept_index.to(torch.int64)
+    moving = (depth <= accept_length[:, None].to(torch.int64)) & (index >= 0) & (index != depth)
+    src = verify_slots.gather(1, index.clamp(min=0))[moving]
+    dst = verify_slots.gather(1, depth.clamp(max=nodes - 1).expand_as(index))[moving]
+    for cache in caches:
+        block = cache.shape[1]
+        rows = cache[src // block, src % block].clone()
+        cache[dst // block, dst % block] = rows
