@@ -11,6 +11,8 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``verify_tree_greedy`` greedy tree walk: accepted path, length, emitted tokens.
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
 * ``mask_bytes_per_request`` memory of each mask mode.
+* ``tree_attention``     verify attention over a paged KV cache under a compact
+                         tree mask (``tree_attention.py``).
 
 Each op has a torch reference (``reference``), a Triton implementation
 (``triton_ops``) and a CUDA one (``cuda_ops``), chosen by ``impl=``.
@@ -28,6 +30,7 @@ from .api import (
 )
 from .modes import TreeMaskMode, mask_bytes_per_request, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
+from .tree_attention import tree_attention
 
 __all__ = [
     "TreeBuild",
@@ -41,6 +44,7 @@ __all__ = [
     "pool_size",
     "resolve_impl",
     "select_tree_nodes",
+    "tree_attention",
     "validate_tree_shape",
     "verify_tree_greedy",
 ]

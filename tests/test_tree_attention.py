@@ -1,0 +1,313 @@
+"""Tree attention over a paged KV cache: reference vs an independent dense
+computation, and the Triton kernel (TRITON_INTERPRET=1 on CPU, or CUDA) vs the
+reference.
+
+The dense check shares no code with the module: trees are parent arrays
+written here, masks are encoded here, K/V are kept per request in logical
+order and scattered into a NaN-filled paged cache through a random block
+table, and attention is ``scaled_dot_product_attention`` over the explicit
+[T, ctx + T] mask.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spec_tree_kernels.modes import TreeMaskMode
+from spec_tree_kernels.tree_attention import (
+    _triton_usable,
+    tree_attention,
+    tree_attention_reference,
+    tree_attention_triton,
+)
+
+AB, PP, QL = TreeMaskMode.ANCESTOR_BITMASK, TreeMaskMode.PARENT_POINTER, TreeMaskMode.QLEN_ONLY
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+needs_triton = pytest.mark.skipif(
+    not _triton_usable(DEVICE), reason="Triton needs CUDA or TRITON_INTERPRET=1 (set before import)"
+)
+# output tolerance vs an fp32-accumulating reference: one or two output ulps
+# plus, for the Triton kernel, P rounded to the cache dtype before P @ V
+TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 2e-2)}
+
+
+# ------------------------------------------------------------------ problems
+
+
+def make_tree(kind: str, nodes: int, gen: torch.Generator) -> list[int]:
+    """Parent of each node (-1 for the root); a parent precedes its children."""
+    if kind == "chain":
+        return [-1] + list(range(nodes - 1))
+    if kind == "star":
+        return [-1] + [0] * (nodes - 1)
+    if kind == "binary":
+        return [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+    assert kind == "random"
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+
+
+def ancestors_or_self(parent: list[int]) -> list[set[int]]:
+    out = []
+    for i in range(len(parent)):
+        seen, cur = set(), i
+        while cur >= 0:
+            seen.add(cur)
+            cur = parent[cur]
+        out.append(seen)
+    return out
+
+
+def encode_mask(mode: TreeMaskMode, parents: list[list[int]]) -> torch.Tensor:
+    batch, nodes = len(parents), len(parents[0])
+    anc = [ancestors_or_self(p) for p in parents]
+    if mode == QL:
+        dense = torch.zeros(batch, nodes, nodes, dtype=torch.bool)
+        for b in range(batch):
+            for i in range(nodes):
+                dense[b, i, sorted(anc[b][i])] = True
+        return dense.flatten()
+    if mode == PP:
+        out = torch.zeros(batch, 2, nodes, dtype=torch.int16)
+        for b in range(batch):
+            out[b, 0] = torch.tensor(parents[b], dtype=torch.int16)
+            out[b, 1] = torch.tensor([len(a) - 1 for a in anc[b]], dtype=torch.int16)
+        return out
+    words = (nodes + 63) // 64
+    out = torch.zeros(batch, nodes, words, dtype=torch.int64)
+    for b in range(batch):
+        for i in range(nodes):
+            for w in range(words):
+                value = sum(1 << (j - 64 * w) for j in anc[b][i] if 64 * w <= j < 64 * w + 64)
+                out[b, i, w] = value - (1 << 64) if value >= 1 << 63 else value  # two's complement bit 63
+    return out
+
+
+class Problem:
+    """B requests of T nodes with K/V in logical order and in a paged cache."""
+
+    def __init__(self, ctx_lens, parents, hq, hkv, dim, block_size, dtype, mode, gen, spare_blocks=3):
+        self.ctx_lens, self.parents, self.mode = list(ctx_lens), parents, mode
+        batch, nodes = len(ctx_lens), len(parents[0])
+        self.nodes = nodes
+        lengths = [c + nodes for c in ctx_lens]
+        need = [math.ceil(n / block_size) for n in lengths]
+        num_blocks = sum(need) + spare_blocks
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        # one spare column of -1 padding: never read by the kernel, clamped by the reference
+        table = torch.full((batch, max(need) + 1), -1, dtype=torch.int32)
+        # NaN everywhere no request stores a token: reading it anywhere would show
+        self.k_cache = torch.full((num_blocks, block_size, hkv, dim), float("nan"), dtype=dtype)
+        self.v_cache = torch.full_like(self.k_cache, float("nan"))
+        self.k, self.v = [], []
+        used = 0
+        for b, length in enumerate(lengths):
+            blocks = perm[used : used + need[b]]
+            used += need[b]
+            table[b, : need[b]] = torch.tensor(blocks, dtype=torch.int32)
+            k = torch.randn(length, hkv, dim, generator=gen).to(dtype)
+            v = torch.randn(length, hkv, dim, generator=gen).to(dtype)
+            pos = torch.arange(length)
+            slot_block = torch.tensor(blocks)[pos // block_size]
+            self.k_cache[slot_block, pos % block_size] = k
+            self.v_cache[slot_block, pos % block_size] = v
+            self.k.append(k)
+            self.v.append(v)
+        self.block_table = table
+        self.context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+        self.q = torch.randn(batch, nodes, hq, dim, generator=gen).to(dtype)
+        self.tree_mask = encode_mask(mode, parents)
+        self.scale = 1.0 / math.sqrt(dim) * 1.3  # not the default: the argument must reach the softmax
+
+    def args(self, device=DEVICE):
+        tensors = (self.q, self.k_cache, self.v_cache, self.block_table, self.context_lens, self.tree_mask)
+        return tuple(t.to(device) for t in tensors) + (self.mode, self.scale)
+
+    def dense(self) -> torch.Tensor:
+        """Independent result: SDPA per request over the explicit [T, ctx + T] mask."""
+        out = []
+        hq, hkv = self.q.shape[2], self.k_cache.shape[2]
+        for b, ctx in enumerate(self.ctx_lens):
+            anc = ancestors_or_self(self.parents[b])
+            mask = torch.zeros(self.nodes, ctx + self.nodes, dtype=torch.bool)
+            mask[:, :ctx] = True
+            for i in range(self.nodes):
+                for j in anc[i]:
+                    mask[i, ctx + j] = True
+            q = self.q[b].float().transpose(0, 1)  # [Hq, T, D]
+            k = self.k[b].float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, L, D]
+            v = self.v[b].float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out.append(o.transpose(0, 1))
+        return torch.stack(out).to(self.q.dtype)
+
+
+def problem(kind, nodes, ctx_lens, hq=4, hkv=2, dim=16, block_size=16, dtype=torch.float32, mode=AB, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    parents = [make_tree(kind, nodes, gen) for _ in ctx_lens]
+    return Problem(ctx_lens, parents, hq, hkv, dim, block_size, dtype, mode, gen)
+
+
+def assert_close(actual, expected, dtype):
+    atol, rtol = TOL[dtype]
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.isfinite(actual.float()).all()
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------- reference vs dense
+
+REFERENCE_CASES = [
+    # kind, T, ctx_lens, hq, hkv, dim, block_size, dtype, mode
+    ("random", 16, [0, 7, 37], 4, 2, 16, 16, torch.float32, AB),
+    ("random", 16, [0, 7, 37], 4, 2, 16, 16, torch.float32, PP),
+    ("random", 16, [0, 7, 37], 4, 2, 16, 16, torch.float32, QL),
+    ("chain", 64, [3, 50], 2, 1, 16, 16, torch.float32, AB),  # bit 63 of the word is set
+    ("star", 64, [20, 0], 2, 2, 16, 1, torch.float32, PP),
+    ("binary", 80, [5, 17], 6, 2, 16, 16, torch.float32, AB),  # two words per row, GQA group of 3
+    ("random", 80, [5, 17], 4, 1, 16, 16, torch.float32, PP),
+    ("random", 1, [0, 9, 33], 4, 2, 16, 16, torch.float32, AB),  # one-token decode
+    ("random", 12, [4, 31], 4, 2, 32, 1, torch.float16, QL),
+    ("random", 12, [4, 31], 8, 2, 32, 16, torch.bfloat16, AB),
+]
+
+
+@pytest.mark.parametrize("kind,nodes,ctx,hq,hkv,dim,bs,dtype,mode", REFERENCE_CASES)
+def test_reference_matches_dense(kind, nodes, ctx, hq, hkv, dim, bs, dtype, mode):
+    p = problem(kind, nodes, ctx, hq, hkv, dim, bs, dtype, mode)
+    out = tree_attention_reference(*p.args(torch.device("cpu")))
+    assert_close(out, p.dense(), torch.float32 if dtype == torch.float32 else dtype)
+
+
+def test_mask_modes_agree():
+    """The three layouts of one tree give the same attention."""
+    outs = [tree_attention_reference(*problem("random", 20, [3, 40], mode=m, seed=5).args(torch.device("cpu"))) for m in (AB, PP, QL)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+# -------------------------------------------------------- Triton vs reference
+
+TRITON_CASES = [
+    # kind, T, ctx_lens, hq, hkv, dim, block_size, dtype, mode, block_m, block_n
+    ("random", 16, [0, 19, 40], 4, 2, 16, 16, torch.float32, AB, None, 16),
+    ("random", 16, [0, 19, 40], 4, 2, 16, 16, torch.float32, AB, 16, 32),  # 2 node blocks per head
+    ("chain", 64, [3, 50], 2, 1, 16, 16, torch.float32, AB, None, 16),  # bit 63, 4 tree tiles, 2 node blocks
+    ("star", 64, [21, 0], 2, 2, 16, 1, torch.float16, PP, None, 32),
+    ("random", 80, [5, 17], 4, 2, 16, 16, torch.bfloat16, AB, None, 32),  # second mask word
+    ("binary", 80, [5, 17], 2, 1, 16, 16, torch.float32, PP, None, 64),  # parent walk into word 2
+    ("random", 24, [9, 70], 2, 1, 16, 1, torch.float16, QL, None, 16),
+    ("random", 12, [4, 31], 6, 2, 24, 16, torch.bfloat16, AB, None, 16),  # group of 3, D not a power of 2
+    ("random", 1, [0, 9, 33], 8, 2, 32, 16, torch.float32, AB, None, 32),  # one-token decode
+    ("chain", 8, [16, 1], 4, 4, 32, 16, torch.float16, PP, None, 16),  # no GQA
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("kind,nodes,ctx,hq,hkv,dim,bs,dtype,mode,block_m,block_n", TRITON_CASES)
+def test_triton_matches_reference(kind, nodes, ctx, hq, hkv, dim, bs, dtype, mode, block_m, block_n):
+    p = problem(kind, nodes, ctx, hq, hkv, dim, bs, dtype, mode, seed=nodes + len(ctx))
+    ref = tree_attention_reference(*p.args())
+    out = tree_attention_triton(*p.args(), block_m=block_m, block_n=block_n)
+    assert_close(out, ref, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(10))
+def test_random_configurations(seed):
+    """Seeded random shapes: dense == reference == Triton."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(0, len(options), (1,), generator=gen))]
+
+    nodes = pick([1, 2, 7, 16, 33, 64, 65])
+    hkv = pick([1, 2])
+    hq = hkv * pick([1, 2, 4])
+    batch = pick([1, 2, 4])
+    ctx = torch.randint(0, 60, (batch,), generator=gen).tolist()
+    dtype = pick([torch.float32, torch.float16, torch.bfloat16])
+    p = problem(pick(["random", "chain", "star", "binary"]), nodes, ctx, hq, hkv, pick([16, 32]), pick([1, 16]),
+                dtype, pick([AB, PP, QL]), seed=seed)
+    ref = tree_attention_reference(*p.args())
+    assert_close(ref, p.dense(), torch.float32 if dtype == torch.float32 else dtype)
+    assert_close(tree_attention_triton(*p.args(), block_n=pick([16, 32, 64])), ref, dtype)
+
+
+@needs_triton
+def test_triton_strided_inputs():
+    """q sliced out of a packed QKV tensor, K/V halves of one [2, ...] cache,
+    int64 block table and context lengths."""
+    p = problem("random", 10, [6, 23], hq=4, hkv=2, dim=16, block_size=16, seed=3)
+    q, k_cache, v_cache, table, ctx, mask, mode, scale = p.args()
+    qkv = torch.randn(q.shape[0], q.shape[1], 3 * q.shape[2], q.shape[3], device=DEVICE)
+    qkv[:, :, 4:8] = q
+    kv = torch.stack([k_cache, v_cache])
+    args = (qkv[:, :, 4:8], kv[0], kv[1], table.long(), ctx.long(), mask, mode, scale)
+    assert not args[0].is_contiguous()
+    ref = tree_attention_reference(*p.args())
+    assert_close(tree_attention_triton(*args, block_n=16), ref, torch.float32)
+    assert_close(tree_attention_reference(*args), ref, torch.float32)
+
+
+# ------------------------------------------------------- branches stay apart
+
+
+def sibling_isolation(impl, mode):
+    # node 3 (under 1) and the subtree of its uncle 2 = {2, 5, 6, 9, 10}
+    parent = [-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7]
+    gen = torch.Generator().manual_seed(11)
+    p = Problem([13, 5], [parent, parent], 4, 2, 16, 16, torch.float32, mode, gen)
+    subtree = {2, 5, 6, 9, 10}
+    before = tree_attention(*p.args(), impl=impl)
+    # overwrite the subtree's K/V in the cache (request 0 only)
+    for node in subtree:
+        pos = p.ctx_lens[0] + node
+        block = int(p.block_table[0, pos // 16])
+        p.k_cache[block, pos % 16] = 1e3 * torch.randn(2, 16, generator=gen)
+        p.v_cache[block, pos % 16] = 1e3 * torch.randn(2, 16, generator=gen)
+    after = tree_attention(*p.args(), impl=impl)
+    outside = [i for i in range(len(parent)) if i not in subtree]
+    assert torch.equal(before[0, outside], after[0, outside]), "a node saw a sibling branch"
+    assert torch.equal(before[1], after[1]), "a request saw another request's KV"
+    for node in subtree:
+        assert not torch.allclose(before[0, node], after[0, node]), f"node {node} ignored its own branch"
+
+
+@pytest.mark.parametrize("mode", [AB, PP, QL])
+def test_sibling_branch_invisible_reference(mode):
+    sibling_isolation("torch", mode)
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", [AB, PP, QL])
+def test_sibling_branch_invisible_triton(mode):
+    sibling_isolation("triton", mode)
+
+
+# ---------------------------------------------------------------- dispatcher
+
+
+def test_dispatch_and_validation():
+    p = problem("random", 6, [2, 9], seed=1)
+    args = p.args(torch.device("cpu"))
+    ref = tree_attention_reference(*args)
+    assert torch.equal(tree_attention(*args, impl="torch"), ref)
+    assert torch.equal(tree_attention(*args), ref)  # auto on CPU: the reference
+    with pytest.raises(ValueError, match="impl"):
+        tree_attention(*args, impl="cuda")
+    q, k, v, table, ctx, mask, mode, scale = args
+    with pytest.raises(ValueError, match="FULL_MASK"):
+        tree_attention(q, k, v, table, ctx, mask, TreeMaskMode.FULL_MASK)
+    with pytest.raises(ValueError, match="ANCESTOR_BITMASK"):
+        tree_attention(q, k, v, table, ctx, mask[:, :5], mode)
+    with pytest.raises(ValueError, match="multiple"):
+        tree_attention(q[:, :, :3], k, v, table, ctx, mask, mode)
+    with pytest.raises(TypeError, match="dtype"):
+        tree_attention(q.half(), k, v, table, ctx, mask, mode)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            tree_attention(*args, impl="triton")
