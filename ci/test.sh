@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export TRITON_INTERPRET=1 PYTHONHASHSEED=0
 bash ci/setup_venv.sh
-.venv/bin/python -m pytest -q -n 2 -p no:cacheprovider tests --ignore=tests/sglang "$@"
 bash ci/setup_sglang_venv.sh
+# SGLang's spec_tree.py from the SGLang venv: the loader test and SGLang-side
+# timings read it from there (it is another project's code: never committed)
+export SGLANG_SPEC_TREE_PY="${SGLANG_SPEC_TREE_PY:-$(.venv-sglang/bin/python -c 'import importlib.util as u, os; print(os.path.join(u.find_spec("sglang").submodule_search_locations[0], "kernels/ops/speculative/spec_tree.py"))')}"
+.venv/bin/python -m pytest -q -n 2 -p no:cacheprovider tests --ignore=tests/sglang "$@"
 .venv-sglang/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/sglang "$@"

@@ -12,7 +12,8 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
 * ``mask_bytes_per_request`` memory of each mask mode.
 * ``tree_attention``     verify attention over a paged KV cache under a compact
-                         tree mask (``tree_attention.py``).
+                         tree mask (``attention.py``; imported on first use, so
+                         TRITON_INTERPRET may be set after importing this package).
 
 Each op has a torch reference (``reference``), a Triton implementation
 (``triton_ops``) and a CUDA one (``cuda_ops``), chosen by ``impl=``.
@@ -30,7 +31,16 @@ from .api import (
 )
 from .modes import TreeMaskMode, mask_bytes_per_request, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
-from .tree_attention import tree_attention
+
+
+
+def __getattr__(name: str):
+    if name == "tree_attention":
+        from .attention import tree_attention
+
+        return tree_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "TreeBuild",

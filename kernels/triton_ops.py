@@ -3,7 +3,8 @@
 Semantics, shapes and dtypes are those of ``reference.py``; call these through
 ``spec_tree_kernels.api``, which validates the inputs. Every launch has a grid
 and constexprs fixed by (batch, T, topk, num_steps, mode), so the launches are
-CUDA-graph capturable; no op reads a device value on the host.
+CUDA-graph capturable; no op reads a device value on the host. Unvalidated
+garbage (``validate=False``) may give garbage out but never reads out of bounds.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def _build_kernel(
         child = (rows > 0) & (rows < T)
         cand = tl.load(sel_row + rows - 1, mask=child, other=0)
         group = cand // TOPK
-        parent_pool = tl.load(parent_list_ptr + b * PW + group, mask=child & (group > 0), other=-1)
+        # clamped like the reference: an unvalidated out-of-pool candidate must not read past parent_list
+        parent_pool = tl.load(parent_list_ptr + b * PW + tl.minimum(group, PW - 1), mask=child & (group > 0), other=-1)
         hit = (col_cand[None, :] == parent_pool[:, None]) & (cols[None, :] > 0) & col_ok[None, :]
         first = tl.min(tl.where(hit, cols[None, :], BLOCK_T), 1)
         parent = tl.where(group == 0, 0, tl.where(first < BLOCK_T, first, -2))
@@ -182,20 +184,6 @@ def _build_kernel(
     tl.store(ok_ptr + b, ok)
 
 
-@triton.jit
-def _fill_prefix_kernel(mask_ptr, seq_lens_ptr, prefix_ptr, T: tl.constexpr, BLOCK: tl.constexpr):
-    """FULL_MASK prefix columns of one row: True."""
-    row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    r = row % T
-    seq_len = tl.load(seq_lens_ptr + b)
-    base = T * T * b + T * tl.load(prefix_ptr + b) + (seq_len + T) * r
-    ones = tl.full([BLOCK], 1, tl.int8)
-    for start in range(0, seq_len, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(mask_ptr + base + offs, ones, mask=offs < seq_len)
-
-
 def _alloc_mask(mode, batch, nodes, seq_lens_sum, device):
     if mode == TreeMaskMode.FULL_MASK:
         return torch.empty(seq_lens_sum * nodes + nodes * nodes * batch, dtype=torch.bool, device=device)
@@ -226,6 +214,9 @@ def build_tree(selected_index, parent_list, seq_lens, topk, num_steps, mode, seq
     ok = torch.empty(batch, dtype=torch.int32, device=device)
     if batch == 0:
         return TreeBuild(mask, positions, links[0], links[1], links[2]), ok.bool()
+    if mode == TreeMaskMode.FULL_MASK and fill_prefix_mask:
+        # one memset beats a per-row prefix kernel; the build kernel then overwrites the tree cells
+        mask[: seq_lens_sum * nodes + nodes * nodes * batch].fill_(True)
     prefix = torch.cumsum(seq_lens, 0) - seq_lens
     parents = parent_list if parent_list.shape[1] > 0 else torch.zeros(batch, 1, dtype=torch.int64, device=device)
     block_t = _pow2(nodes)
@@ -250,8 +241,6 @@ def build_tree(selected_index, parent_list, seq_lens, topk, num_steps, mode, seq
         BLOCK_T=block_t,
         ROWS=min(_ROW_TILE, block_t),
     )
-    if mode == TreeMaskMode.FULL_MASK and fill_prefix_mask and seq_lens_sum > 0:
-        _fill_prefix_kernel[(batch * nodes,)](_int_view(mask), seq_lens, prefix, T=nodes, BLOCK=1024)
     return TreeBuild(mask, positions, links[0], links[1], links[2]), ok.bool()
 
 
@@ -282,7 +271,7 @@ def _verify_kernel(
         child = tl.load(next_token_ptr + base + cur)
         chosen = tl.full([], -1, tl.int64)
         for _ in range(T - 1):
-            scanning = (alive != 0) & (chosen < 0) & (child >= 0)
+            scanning = (alive != 0) & (chosen < 0) & (child >= 0) & (child < T)
             safe = tl.where(scanning, child, 0)
             hit = scanning & (tl.load(candidates_ptr + base + safe) == wanted)
             chosen = tl.where(hit, child, chosen)
@@ -346,7 +335,7 @@ def _move_kv_kernel(
     # depths in order: slot d is read (as node d) before any later depth writes it
     for d in tl.static_range(1, W):
         node = tl.load(accept_index_ptr + b * W + d).to(tl.int64)
-        moving = (length >= d) & (node >= 0) & (node != d)
+        moving = (length >= d) & (node >= 0) & (node < T) & (node != d) & (d < T)
         src = tl.load(verify_slots_ptr + b * T + tl.where(moving, node, 0))
         dst = tl.load(verify_slots_ptr + b * T + tl.where(moving, d, 0))
         src_addr = (src // BLOCK_SIZE) * stride_block + (src % BLOCK_SIZE) * stride_offset + elem_offset

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_tree_kernels.modes import TreeMaskMode
-from spec_tree_kernels.tree_attention import (
+from spec_tree_kernels.attention import (
     _triton_usable,
     tree_attention,
     tree_attention_reference,

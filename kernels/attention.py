@@ -569,6 +569,6 @@ def bench_tree_attention(
     return results
 
 
-if __name__ == "__main__":  # python -m spec_tree_kernels.tree_attention (needs a GPU)
+if __name__ == "__main__":  # python -m spec_tree_kernels.attention (needs a GPU)
     for r in bench_tree_attention():
         print(r)

@@ -1,0 +1,37 @@
+"""ci/device_check.sh --reduced runs end to end on the CPU (TRITON_INTERPRET=1),
+so the GPU check script keeps working between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from test_sglang_spec_tree_loader import find_spec_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_reduced_device_check(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, TRITON_INTERPRET="1")
+    spec_tree = find_spec_tree()
+    if spec_tree:  # SGLang's kernels join in when a copy of spec_tree.py is around
+        env["SGLANG_SPEC_TREE_PY"] = spec_tree
+    proc = subprocess.run(
+        ["bash", str(ROOT / "ci" / "device_check.sh"), "--reduced"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert (tmp_path / "device_check.log").stat().st_size > 0
+    assert report["env"]["mode"] == "reduced"
+    assert "section_errors" not in report, report.get("section_errors")
+    triton = report["correctness"]["triton"]
+    assert triton["failed"] == 0 and triton["passed"] > 50, triton
+    assert {"select/triton", "build/triton", "verify/triton", "move/triton"} <= set(triton["counts"])
+    assert triton["accepted_draft_tokens"] > 0  # the verify cases accept something
+    assert report["bench"]["rows"] and "ours_by_mode" in report["headline"]["eager_us"]
+    if spec_tree:
+        assert report["sglang_crosscheck"]["failed"] == 0 and report["sglang_crosscheck"]["passed"] > 0
+        assert "sglang" in report["headline"]["eager_us"]
