@@ -1,14 +1,9 @@
 """Without a GPU, run Triton kernels through Triton's CPU interpreter.
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` function is defined,
-i.e. before ``spec_tree_kernels.triton_ops`` is imported.
+i.e. before ``spec_tree_kernels.triton_ops`` is imported. (Test modules get the
+device from ``kernel_device``: ``conftest`` is not a unique module name once
+subfolders have their own.)
 """
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+import kernel_device  # noqa: F401  (sets TRITON_INTERPRET)

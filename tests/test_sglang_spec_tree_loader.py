@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import spec_tree_kernels as K
-from conftest import DEVICE
+from kernel_device import DEVICE
 from pools import random_batch
 from spec_tree_kernels import reference
 from test_tree_ops import random_tokens_with_real_acceptance

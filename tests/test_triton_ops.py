@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spec_tree_kernels as K
-from conftest import DEVICE
+from kernel_device import DEVICE
 from pools import FLAVORS, random_batch
 from spec_tree_kernels import TreeMaskMode as M
 from test_tree_ops import paged_caches, random_tokens_with_real_acceptance
