@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from .modes import TreeMaskMode, ancestor_bitmask_words, bitpacked_word_bytes
+from .modes import TreeMaskMode, empty_tree_mask
 from .reference import TreeBuild, VerifyResult
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -323,20 +323,6 @@ def _backend_or_raise(backend):
 # ----------------------------------------------------------------------- ops
 
 
-def _alloc_mask(mode: TreeMaskMode, batch: int, nodes: int, seq_lens_sum: int, device) -> torch.Tensor:
-    """The mask buffer of ``mode`` (layouts in ``modes``; as triton_ops allocates)."""
-    if mode == TreeMaskMode.FULL_MASK:
-        return torch.empty(seq_lens_sum * nodes + nodes * nodes * batch, dtype=torch.bool, device=device)
-    if mode == TreeMaskMode.QLEN_ONLY:
-        return torch.empty(batch * nodes * nodes, dtype=torch.bool, device=device)
-    if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
-        dtype = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[bitpacked_word_bytes(nodes)]
-        return torch.empty(batch * nodes, dtype=dtype, device=device)
-    if mode == TreeMaskMode.ANCESTOR_BITMASK:
-        return torch.empty(batch, nodes, ancestor_bitmask_words(nodes), dtype=torch.int64, device=device)
-    return torch.empty(batch, 2, nodes, dtype=torch.int16, device=device)
-
-
 def build_tree(
     selected_index: torch.Tensor,
     parent_list: torch.Tensor,
@@ -362,7 +348,7 @@ def build_tree(
     batch, num_selected = selected_index.shape
     nodes = num_selected + 1
     device = selected_index.device
-    mask = tree_mask_buf if tree_mask_buf is not None else _alloc_mask(mode, batch, nodes, seq_lens_sum, device)
+    mask = tree_mask_buf if tree_mask_buf is not None else empty_tree_mask(mode, batch, nodes, seq_lens_sum, device)
     if not mask.is_contiguous():
         raise ValueError("tree_mask_buf must be contiguous for impl='cuda'")
     links = torch.empty(4, batch, nodes, dtype=torch.int64, device=device)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import enum
 import math
 
+import torch
+
 MAX_BITPACKED_NODES = 32
 MAX_TREE_NODES = 1024  # int16 parent pointers and SGLang's own kernel bound
 
@@ -103,3 +105,17 @@ def mask_bytes_per_request(mode: "TreeMaskMode | int | str", num_draft_tokens: i
     if mode == TreeMaskMode.ANCESTOR_BITMASK:
         return t * 8 * ancestor_bitmask_words(t)
     return 2 * 2 * t
+
+
+def empty_tree_mask(mode: TreeMaskMode, batch: int, nodes: int, seq_lens_sum: int, device) -> torch.Tensor:
+    """An uninitialized mask buffer in ``mode``'s layout (see the module doc)."""
+    if mode == TreeMaskMode.FULL_MASK:
+        return torch.empty(seq_lens_sum * nodes + nodes * nodes * batch, dtype=torch.bool, device=device)
+    if mode == TreeMaskMode.QLEN_ONLY:
+        return torch.empty(batch * nodes * nodes, dtype=torch.bool, device=device)
+    if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
+        dtype = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[bitpacked_word_bytes(nodes)]
+        return torch.empty(batch * nodes, dtype=dtype, device=device)
+    if mode == TreeMaskMode.ANCESTOR_BITMASK:
+        return torch.empty(batch, nodes, ancestor_bitmask_words(nodes), dtype=torch.int64, device=device)
+    return torch.empty(batch, 2, nodes, dtype=torch.int16, device=device)

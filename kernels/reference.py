@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .modes import TreeMaskMode, ancestor_bitmask_words, bitpacked_word_bytes
+from .modes import TreeMaskMode, ancestor_bitmask_words, bitpacked_word_bytes, empty_tree_mask
 
 
 class TreeBuild(NamedTuple):
@@ -173,28 +173,19 @@ def encode_mask(
     """Write the ancestor matrix in ``mode``'s layout (see ``modes``)."""
     batch, nodes, _ = anc.shape
     device = anc.device
+    out = tree_mask_buf if tree_mask_buf is not None else empty_tree_mask(mode, batch, nodes, seq_lens_sum, device)
     if mode == TreeMaskMode.QLEN_ONLY:
-        out = tree_mask_buf if tree_mask_buf is not None else torch.empty(batch * nodes * nodes, dtype=torch.bool, device=device)
         out[: batch * nodes * nodes] = anc.flatten()
-        return out
-    if mode == TreeMaskMode.FULL_MASK:
-        size = seq_lens_sum * nodes + nodes * nodes * batch
-        out = tree_mask_buf if tree_mask_buf is not None else torch.empty(size, dtype=torch.bool, device=device)
+    elif mode == TreeMaskMode.FULL_MASK:
         if fill_prefix_mask:
-            out[:size].fill_(True)
+            out[: seq_lens_sum * nodes + nodes * nodes * batch].fill_(True)
         prefix = torch.cumsum(seq_lens, 0) - seq_lens
         row_start = nodes * nodes * torch.arange(batch, device=device) + nodes * prefix  # [B]
         width = seq_lens + nodes
         idx = torch.arange(nodes, device=device)
-        cell = (
-            row_start[:, None, None]
-            + width[:, None, None] * idx[None, :, None]
-            + seq_lens[:, None, None]
-            + idx[None, None, :]
-        )
+        cell = row_start[:, None, None] + width[:, None, None] * idx[None, :, None] + seq_lens[:, None, None] + idx[None, None, :]
         out[cell.flatten()] = anc.flatten()
-        return out
-    if mode in (TreeMaskMode.QLEN_ONLY_BITPACKING, TreeMaskMode.ANCESTOR_BITMASK):
+    elif mode in (TreeMaskMode.QLEN_ONLY_BITPACKING, TreeMaskMode.ANCESTOR_BITMASK):
         if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
             words, word_bits = 1, 8 * bitpacked_word_bytes(nodes)
         else:
@@ -204,21 +195,15 @@ def encode_mask(
         bit = torch.arange(word_bits, device=device, dtype=torch.int64)
         packed = (padded.view(batch, nodes, words, word_bits) << bit).sum(dim=3)  # distinct bits: sum == or
         if mode == TreeMaskMode.ANCESTOR_BITMASK:
-            out = tree_mask_buf if tree_mask_buf is not None else torch.empty(batch, nodes, words, dtype=torch.int64, device=device)
-            out.copy_(packed.view(out.shape))
-            return out
-        nbytes = word_bits // 8
-        byte_shift = 8 * torch.arange(nbytes, device=device, dtype=torch.int64)
-        as_bytes = ((packed[:, :, 0, None] >> byte_shift) & 0xFF).to(torch.uint8)  # little endian
-        word_dtype = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[nbytes]
-        words_out = as_bytes.view(batch * nodes * nbytes).view(word_dtype)
-        if tree_mask_buf is None:
-            return words_out.clone()
-        tree_mask_buf[: batch * nodes] = words_out
-        return tree_mask_buf
-    out = tree_mask_buf if tree_mask_buf is not None else torch.empty(batch, 2, nodes, dtype=torch.int16, device=device)
-    out[:, 0] = parent
-    out[:, 1] = depth
+            out.view(batch, nodes, words).copy_(packed)
+        else:  # little-endian bytes of each row's word, whatever the word width
+            nbytes = word_bits // 8
+            byte_shift = 8 * torch.arange(nbytes, device=device, dtype=torch.int64)
+            as_bytes = ((packed[:, :, 0, None] >> byte_shift) & 0xFF).to(torch.uint8)
+            out[: batch * nodes].view(torch.uint8).copy_(as_bytes.flatten())
+    else:
+        out[:, 0] = parent
+        out[:, 1] = depth
     return out
 
 

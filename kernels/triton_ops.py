@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .modes import TreeMaskMode, ancestor_bitmask_words, bitpacked_word_bytes
+from .modes import TreeMaskMode, ancestor_bitmask_words, empty_tree_mask
 from .reference import TreeBuild, VerifyResult
 
 _ROW_TILE = 16  # rows of a [rows, T] tile in the build kernel
@@ -184,19 +184,6 @@ def _build_kernel(
     tl.store(ok_ptr + b, ok)
 
 
-def _alloc_mask(mode, batch, nodes, seq_lens_sum, device):
-    if mode == TreeMaskMode.FULL_MASK:
-        return torch.empty(seq_lens_sum * nodes + nodes * nodes * batch, dtype=torch.bool, device=device)
-    if mode == TreeMaskMode.QLEN_ONLY:
-        return torch.empty(batch * nodes * nodes, dtype=torch.bool, device=device)
-    if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
-        dtype = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[bitpacked_word_bytes(nodes)]
-        return torch.empty(batch * nodes, dtype=dtype, device=device)
-    if mode == TreeMaskMode.ANCESTOR_BITMASK:
-        return torch.empty(batch, nodes, ancestor_bitmask_words(nodes), dtype=torch.int64, device=device)
-    return torch.empty(batch, 2, nodes, dtype=torch.int16, device=device)
-
-
 def _int_view(mask: torch.Tensor) -> torch.Tensor:
     """Same bytes, a signed integer dtype Triton stores into."""
     signed = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[mask.element_size()]
@@ -207,7 +194,7 @@ def build_tree(selected_index, parent_list, seq_lens, topk, num_steps, mode, seq
     batch, num_selected = selected_index.shape
     nodes = num_selected + 1
     device = selected_index.device
-    mask = tree_mask_buf if tree_mask_buf is not None else _alloc_mask(mode, batch, nodes, seq_lens_sum, device)
+    mask = tree_mask_buf if tree_mask_buf is not None else empty_tree_mask(mode, batch, nodes, seq_lens_sum, device)
     positions = torch.empty(batch, nodes, dtype=torch.int64, device=device)
     links = torch.empty(3, batch, nodes, dtype=torch.int64, device=device)
     parent = torch.empty(batch, nodes, dtype=torch.int32, device=device)

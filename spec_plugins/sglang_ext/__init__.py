@@ -1,21 +1,49 @@
-"""SGLang adapter (entry point ``sglang.srt.plugins``).
+"""SGLang adapter (entry point ``sglang.srt.plugins``): the EAGLE_TREE algorithm.
 
-``register()`` is idempotent and imports SGLang only inside the call. The
-EAGLE_TREE algorithm, its worker and attention backend land with the SGLang
-plugin issue; today it only gates the engine version.
+``register()`` is what SGLang's ``load_plugins`` calls in every process. It is
+idempotent and imports SGLang only inside the call (this package imports
+without SGLang). It
+
+1. gates the engine version (``TESTED_SGLANG``; override with
+   ``SPEC_PLUGINS_ALLOW_UNTESTED_ENGINE=1``),
+2. registers ``--speculative-algorithm EAGLE_TREE`` (``SpeculativeAlgorithm.register``
+   with a spec class that behaves as the EAGLE family),
+3. wraps the ``handle_speculative_decoding`` resolution step (EAGLE defaults
+   and validation, plus ours: mask mode, backend, tree shape),
+4. registers the attention backends ``spec_tree`` and ``spec_tree_triton``,
+5. registers AROUND hooks on SGLang's four tree functions (``engine_patches``),
+   applied by ``load_plugins``; they act only inside an EAGLE_TREE worker.
+
+Usage, knobs and limits: ``config`` and the README's SGLang section.
 """
 
 from __future__ import annotations
 
 from ..engine_versions import check_engine_version
+from .config import ALGORITHM_NAME, BACKEND_TORCH, BACKEND_TRITON, MASK_MODE_ENV, TESTED_SGLANG, VARIANT_ENV
 
-TESTED_SGLANG = ("0.5.23",)
 _registered = False
 
 
 def register() -> None:
+    """Register EAGLE_TREE with SGLang (no-op without SGLang, or when done)."""
     global _registered
     if _registered:
         return
-    check_engine_version("SGLang", ("sglang",), TESTED_SGLANG)
+    if check_engine_version("SGLang", ("sglang",), TESTED_SGLANG) is None:
+        return  # SGLang is not installed: nothing to register with
+    from . import engine_patches
+
+    engine_patches.register_all()
     _registered = True
+
+
+__all__ = [
+    "ALGORITHM_NAME",
+    "BACKEND_TORCH",
+    "BACKEND_TRITON",
+    "MASK_MODE_ENV",
+    "TESTED_SGLANG",
+    "VARIANT_ENV",
+    "register",
+]

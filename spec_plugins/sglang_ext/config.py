@@ -1,0 +1,150 @@
+"""EAGLE_TREE configuration: names, environment knobs, startup validation.
+
+Pure Python plus ``spec_tree_kernels``: nothing here imports SGLang, so the
+rules can be read (and unit-tested) without the engine.
+
+User-facing knobs (all read at startup; the scheduler processes inherit them):
+
+``SPEC_PLUGINS_TREE_MASK_MODE``
+    Tree-mask layout the worker builds for the verify pass: FULL_MASK,
+    QLEN_ONLY, QLEN_ONLY_BITPACKING, ANCESTOR_BITMASK or PARENT_POINTER (name,
+    any case, or the integer value). Unset: the layout the target attention
+    backend reads (ANCESTOR_BITMASK for ours, SGLang's own default for
+    SGLang's backends).
+``SPEC_PLUGINS_EAGLE_TREE_VARIANT``
+    EAGLE or EAGLE3. Unset: detected from the draft head's config
+    (``architectures`` naming ``Eagle3``); the resolution hook then records
+    the detected value here for the scheduler processes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Mapping, Optional
+
+from spec_tree_kernels import TreeMaskMode, parse_mask_mode, validate_tree_shape
+from spec_tree_kernels.modes import MAX_TREE_NODES, max_nodes
+
+TESTED_SGLANG = ("0.5.23",)  # releases whose internals engine_patches.SEAMS was read from
+ALGORITHM_NAME = "EAGLE_TREE"
+MASK_MODE_ENV = "SPEC_PLUGINS_TREE_MASK_MODE"
+VARIANT_ENV = "SPEC_PLUGINS_EAGLE_TREE_VARIANT"
+VARIANTS = ("EAGLE", "EAGLE3")
+
+# Our attention backends (attention.py): torch_native prefill/decode, or
+# SGLang's Triton prefill/decode; target verify is ours in both.
+BACKEND_TORCH = "spec_tree"
+BACKEND_TRITON = "spec_tree_triton"
+OUR_BACKENDS = (BACKEND_TORCH, BACKEND_TRITON)
+# What our verify attention (spec_tree_kernels.tree_attention) reads.
+OUR_BACKEND_MODES = (TreeMaskMode.ANCESTOR_BITMASK, TreeMaskMode.PARENT_POINTER, TreeMaskMode.QLEN_ONLY)
+OUR_BACKEND_DEFAULT_MODE = TreeMaskMode.ANCESTOR_BITMASK
+
+
+def requested_mask_mode(environ: Mapping[str, str] = os.environ) -> Optional[TreeMaskMode]:
+    """The mode named by ``SPEC_PLUGINS_TREE_MASK_MODE``, or None when unset."""
+    raw = environ.get(MASK_MODE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_mask_mode(int(raw) if raw.lstrip("-").isdigit() else raw)
+    except ValueError as err:
+        raise ValueError(f"{MASK_MODE_ENV}={raw!r}: {err}") from None
+
+
+# SGLang 0.5.23's verify backends and the layout each reads: intel_amx (the
+# CPU kernel) takes QLEN_ONLY; flashinfer, triton, fa3, aiter, wave, ... build
+# their verify masks from FULL_MASK (``eagle_utils.default_tree_mask_mode``).
+# QLEN_ONLY_BITPACKING has no attention consumer in SGLang 0.5.23.
+SGLANG_QLEN_ONLY_BACKENDS = ("intel_amx",)
+
+
+def sglang_backend_mode(verify_backend: Optional[str]) -> TreeMaskMode:
+    """The layout one of SGLang's own attention backends reads."""
+    return TreeMaskMode.QLEN_ONLY if verify_backend in SGLANG_QLEN_ONLY_BACKENDS else TreeMaskMode.FULL_MASK
+
+
+def readable_modes(verify_backend: Optional[str]) -> tuple[TreeMaskMode, ...]:
+    if verify_backend in OUR_BACKENDS:
+        return OUR_BACKEND_MODES
+    return (sglang_backend_mode(verify_backend),)
+
+
+def resolve_mask_mode(requested: Optional[TreeMaskMode], verify_backend: Optional[str]) -> TreeMaskMode:
+    """The mode to build: the requested one if the verify backend reads it
+    (else ValueError naming what it reads), or the backend's default."""
+    allowed = readable_modes(verify_backend)
+    if requested is None:
+        return OUR_BACKEND_DEFAULT_MODE if verify_backend in OUR_BACKENDS else allowed[0]
+    if requested not in allowed:
+        hint = (
+            f"; ANCESTOR_BITMASK and PARENT_POINTER need --attention-backend {BACKEND_TORCH} or {BACKEND_TRITON}"
+            if verify_backend not in OUR_BACKENDS
+            else ""
+        )
+        raise ValueError(
+            f"{MASK_MODE_ENV}={requested.name}: attention backend {verify_backend!r} cannot read this tree mask; "
+            f"it reads {', '.join(m.name for m in allowed)}{hint}"
+        )
+    return requested
+
+
+def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> None:
+    """Startup check of the draft-tree shape against the selection pool and
+    the mask mode (ValueError with the offending flag)."""
+    for flag, value in (
+        ("--speculative-num-steps", num_steps),
+        ("--speculative-eagle-topk", topk),
+        ("--speculative-num-draft-tokens", num_draft_tokens),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{ALGORITHM_NAME}: {flag} must be a positive integer, got {value!r}")
+    if num_draft_tokens > max_nodes(mode):
+        raise ValueError(
+            f"{ALGORITHM_NAME}: --speculative-num-draft-tokens={num_draft_tokens} exceeds what tree mask mode "
+            f"{mode.name} supports ({max_nodes(mode)} nodes)"
+            + ("; use ANCESTOR_BITMASK for larger trees" if mode == TreeMaskMode.QLEN_ONLY_BITPACKING else "")
+        )
+    try:
+        validate_tree_shape(num_steps, topk, num_draft_tokens, mode)
+    except ValueError as err:
+        raise ValueError(
+            f"{ALGORITHM_NAME}: {err} (--speculative-num-steps={num_steps}, --speculative-eagle-topk={topk}, "
+            f"--speculative-num-draft-tokens={num_draft_tokens}: the draft pool holds topk + "
+            f"(num_steps - 1) * topk^2 candidates)"
+        ) from None
+
+
+def detect_variant(architectures: Iterable[str]) -> str:
+    """EAGLE3 when the head's architecture names EAGLE-3 (SGLang's
+    ``LlamaForCausalLMEagle3``, ``Eagle3DeepseekV2ForCausalLM``), else EAGLE."""
+    return "EAGLE3" if any("eagle3" in str(a).lower() for a in architectures or ()) else "EAGLE"
+
+
+def requested_variant(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    raw = environ.get(VARIANT_ENV, "").strip().upper()
+    if not raw:
+        return None
+    if raw not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={raw!r}: expected one of {', '.join(VARIANTS)}")
+    return raw
+
+
+__all__ = [
+    "ALGORITHM_NAME",
+    "TESTED_SGLANG",
+    "BACKEND_TORCH",
+    "BACKEND_TRITON",
+    "MASK_MODE_ENV",
+    "MAX_TREE_NODES",
+    "OUR_BACKENDS",
+    "OUR_BACKEND_MODES",
+    "VARIANT_ENV",
+    "detect_variant",
+    "readable_modes",
+    "requested_mask_mode",
+    "requested_variant",
+    "resolve_mask_mode",
+    "sglang_backend_mode",
+    "validate_tree",
+]

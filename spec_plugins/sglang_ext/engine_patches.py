@@ -1,0 +1,454 @@
+"""Every SGLang 0.5.23 seam the EAGLE_TREE plugin touches, in one place.
+
+``SEAMS`` names each class or function we subclass, hook, register against or
+call, with its file inside the ``sglang`` package of 0.5.23; ``check_seams``
+resolves them all and is run by the version gate's callers (the worker at
+startup, the tests), so a release that moved one fails loudly at startup
+rather than mid-request.
+
+The four tree-pipeline functions are module-level calls inside SGLang's EAGLE
+worker code (``EagleDraftWorker.draft_forward`` ->
+``organize_draft_results``, ``build_eagle_verify_input`` ->
+``build_tree_kernel_efficient``, ``eagle_sample`` ->
+``verify_tree_greedy_func``, ``_finalize_accept_tree_path`` ->
+``move_accept_tokens_to_target_kvcache``): a worker subclass cannot reach
+them without copying those functions, so they are wrapped through SGLang's
+``HookRegistry`` (AROUND hooks, applied by ``load_plugins``). Each wrapper
+runs our op only while the EAGLE_TREE worker has activated it in this process
+(``activate``); otherwise it calls SGLang's original, so EAGLE / EAGLE3 /
+NGRAM in the same install are untouched.
+
+Layout translations done here (SGLang side -> ours):
+
+* selection: SGLang's score/token/parent lists -> flat pool scores and
+  ``parent_list``; ours returns the same ``top_scores_index`` (ascending pool
+  indices) but ancestor-closed under ties.
+* build: SGLang's 6-tuple (mask, flat positions, retrieve_index,
+  retrieve_next_token, retrieve_next_sibling, flat draft tokens); our modes 3
+  and 4 are written into the first ``bs`` rows of the backend's buffer.
+* verify: our node-local ``accept_index`` (root = 0, -1 padded) -> SGLang's
+  flat ``retrieve_index`` values (``b * T + i``, int32) written in place;
+  ``predicts[retrieve_index[b, i]]`` = target argmax at every accepted node;
+  ``accept_token_num`` = accepted draft nodes.
+* KV move: SGLang's flat accept_index -> node-local; verify slots are
+  ``out_cache_loc.view(bs, T)``; the token pool's ``[slots, H, D]`` buffers are
+  viewed as ``[slots, 1, H, D]`` (block size 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pkgutil
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+import spec_tree_kernels as stk
+from spec_tree_kernels import TreeMaskMode, parse_mask_mode
+
+from .config import ALGORITHM_NAME, BACKEND_TORCH, BACKEND_TRITON, TESTED_SGLANG
+
+logger = logging.getLogger(__name__)
+
+
+
+class Seam(NamedTuple):
+    target: str  # dotted path resolvable with pkgutil.resolve_name
+    file: str  # file inside the sglang package (0.5.23)
+    use: str  # how we use it
+
+
+SEAMS: tuple[Seam, ...] = (
+    # registration
+    Seam("sglang.srt.speculative.spec_info:SpeculativeAlgorithm.register", "srt/speculative/spec_info.py",
+         "register EAGLE_TREE (worker factory, spec_class)"),
+    Seam("sglang.srt.speculative.spec_info:SpeculativeAlgorithm.create_future_map", "srt/speculative/spec_info.py",
+         "delegated to from our spec class (CustomSpecAlgo lacks it)"),
+    Seam("sglang.srt.speculative.spec_info:SpeculativeAlgorithm.build_disagg_draft_input",
+         "srt/speculative/spec_info.py", "delegated to from our spec class"),
+    Seam("sglang.srt.speculative.spec_registry:CustomSpecAlgo", "srt/speculative/spec_registry.py",
+         "subclassed: EagleTreeSpecAlgo"),
+    Seam("sglang.srt.speculative.spec_registry:get_spec", "srt/speculative/spec_registry.py",
+         "idempotent registration check"),
+    Seam("sglang.srt.arg_groups.resolution_hooks:register_resolution_hook", "srt/arg_groups/resolution_hooks.py",
+         "wrap the 'handle_speculative_decoding' step"),
+    Seam("sglang.srt.arg_groups.speculative_hook:_handle_eagle_family", "srt/arg_groups/speculative_hook.py",
+         "SGLang's EAGLE defaults and validation, applied to EAGLE_TREE"),
+    Seam("sglang.srt.arg_groups.overrides:declare_resolution", "srt/arg_groups/overrides.py",
+         "resolution writes (draft attention backend, CUDA graphs off)"),
+    Seam("sglang.srt.arg_groups.overrides:resolving_view", "srt/arg_groups/overrides.py", "read the args"),
+    Seam("sglang.srt.arg_groups.overrides:resolved_view", "srt/arg_groups/overrides.py", "read resolved args"),
+    Seam("sglang.srt.arg_groups.model_override_base:attention_backends_of", "srt/arg_groups/model_override_base.py",
+         "(prefill, decode) attention backends"),
+    Seam("sglang.srt.model_executor.cuda_graph_config:with_phase", "srt/model_executor/cuda_graph_config.py",
+         "disable CUDA graphs for our backends"),
+    Seam("sglang.srt.utils.hf_transformers_utils:get_config", "srt/utils/hf_transformers_utils.py",
+         "read the draft head's config (EAGLE vs EAGLE3)"),
+    Seam("sglang.srt.runtime_context:get_spec", "srt/runtime_context.py", "speculative config in workers"),
+    Seam("sglang.srt.layers.attention.attention_registry:register_attention_backend",
+         "srt/layers/attention/attention_registry.py", "register spec_tree / spec_tree_triton"),
+    Seam("sglang.srt.arg_groups.choices:add_attention_backend_choices", "srt/arg_groups/choices.py",
+         "--attention-backend choices"),
+    Seam("sglang.srt.plugins.hook_registry:HookRegistry", "srt/plugins/hook_registry.py",
+         "AROUND hooks on the four functions below"),
+    # the worker
+    Seam("sglang.srt.speculative.eagle_worker_v2:EAGLEWorkerV2", "srt/speculative/eagle_worker_v2.py",
+         "subclassed: EagleTreeWorker"),
+    Seam("sglang.srt.speculative.eagle_worker_v2:EAGLEWorkerV2.init_attention_backends",
+         "srt/speculative/eagle_worker_v2.py (BaseSpecWorker)", "overridden: set the draft worker's mask mode"),
+    Seam("sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker.draft_forward", "srt/speculative/eagle_worker_v2.py",
+         "calls organize_draft_results (hooked)"),
+    Seam("sglang.srt.speculative.eagle_worker_common:build_eagle_verify_input",
+         "srt/speculative/eagle_worker_common.py", "calls build_tree_kernel_efficient (hooked) with verify_mask.mode"),
+    Seam("sglang.srt.speculative.eagle_worker_common:_finalize_accept_tree_path",
+         "srt/speculative/eagle_worker_common.py", "calls move_accept_tokens_to_target_kvcache (hooked)"),
+    Seam("sglang.srt.speculative.eagle_utils:eagle_sample", "srt/speculative/eagle_utils.py",
+         "calls verify_tree_greedy_func (hooked)"),
+    # the hooked functions
+    Seam("sglang.srt.speculative.eagle_utils:organize_draft_results", "srt/speculative/eagle_utils.py",
+         "AROUND: tie-safe closed selection"),
+    Seam("sglang.srt.speculative.eagle_utils:build_tree_kernel_efficient", "srt/speculative/eagle_utils.py",
+         "AROUND: our builder, every mask mode"),
+    Seam("sglang.kernels.ops.speculative.spec_tree:verify_tree_greedy_func", "kernels/ops/speculative/spec_tree.py",
+         "AROUND: our greedy verify"),
+    Seam("sglang.srt.speculative.spec_utils:move_accept_tokens_to_target_kvcache", "srt/speculative/spec_utils.py",
+         "AROUND: our accepted-path KV move"),
+    # the attention backend
+    Seam("sglang.srt.layers.attention.torch_native_backend:TorchNativeAttnBackend",
+         "srt/layers/attention/torch_native_backend.py", "parent of spec_tree"),
+    Seam("sglang.srt.layers.attention.triton_backend:TritonAttnBackend", "srt/layers/attention/triton_backend.py",
+         "parent of spec_tree_triton"),
+    Seam("sglang.srt.layers.attention.base_attn_backend:AttentionBackend.verify_mask",
+         "srt/layers/attention/base_attn_backend.py", "overridden: our VerifyMask"),
+    Seam("sglang.srt.layers.attention.verify_mask:VerifyMask", "srt/layers/attention/verify_mask.py",
+         "the verify-mask interface the worker reads"),
+    Seam("sglang.srt.mem_cache.memory_pool:KVWriteLoc", "srt/mem_cache/memory_pool.py", "verify KV write"),
+    Seam("sglang.srt.mem_cache.memory_pool:MHATokenToKVPool", "srt/mem_cache/memory_pool.py",
+         "k_buffer / v_buffer [slots, H, D]: our KV move and verify attention read them"),
+)
+
+# HookRegistry targets (dotted, as HookRegistry.register wants them).
+HOOK_ORGANIZE = "sglang.srt.speculative.eagle_utils.organize_draft_results"
+HOOK_BUILD = "sglang.srt.speculative.eagle_utils.build_tree_kernel_efficient"
+HOOK_VERIFY = "sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func"
+HOOK_MOVE_KV = "sglang.srt.speculative.spec_utils.move_accept_tokens_to_target_kvcache"
+
+
+def check_seams() -> None:
+    """Resolve every seam; raise one RuntimeError listing any that moved."""
+    missing = []
+    for seam in SEAMS:
+        try:
+            pkgutil.resolve_name(seam.target)
+        except (ImportError, AttributeError, ValueError) as err:
+            missing.append(f"{seam.target} ({seam.file}): {type(err).__name__}: {err}")
+    if missing:
+        raise RuntimeError(
+            f"spec-plugins: SGLang does not have the internals the {ALGORITHM_NAME} plugin was written against "
+            f"(tested: SGLang {', '.join(TESTED_SGLANG)}):\n  " + "\n  ".join(missing)
+        )
+
+
+# --------------------------------------------------------------- activation
+
+
+@dataclass(frozen=True)
+class TreeRuntime:
+    """What the hooks need; set by the EAGLE_TREE worker of this process."""
+
+    mask_mode: TreeMaskMode
+    impl: str = "auto"  # spec_tree_kernels implementation ("auto": fastest for the device)
+
+
+_ACTIVE: Optional[TreeRuntime] = None
+
+
+def activate(runtime: TreeRuntime) -> None:
+    global _ACTIVE
+    _ACTIVE = runtime
+
+
+def deactivate() -> None:
+    global _ACTIVE
+    _ACTIVE = None
+
+
+def active() -> Optional[TreeRuntime]:
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def activated(runtime: TreeRuntime):
+    """Activate the hooks for a block (tests, tools)."""
+    previous = _ACTIVE
+    activate(runtime)
+    try:
+        yield runtime
+    finally:
+        globals()["_ACTIVE"] = previous
+
+
+# ------------------------------------------------------- the four operations
+
+
+def organize_draft_results_closed(score_list, token_list, parents_list, num_draft_token, *, impl="auto"):
+    """Drop-in for ``eagle_utils.organize_draft_results`` with our tie-safe,
+    ancestor-closed selection (``select_tree_nodes``)."""
+    topk = score_list[0].shape[-1]
+    num_steps = len(score_list)
+    scores = torch.cat(score_list, dim=1).flatten(1)
+    tokens = torch.cat(token_list, dim=1)
+    if len(parents_list) > 1:
+        parent_list = torch.cat(parents_list[:-1], dim=1)
+    else:
+        parent_list = torch.empty(parents_list[0].shape[0], 0, dtype=torch.long, device=parents_list[0].device)
+    top_scores_index = stk.select_tree_nodes(
+        scores, parent_list.long(), topk, num_steps, num_draft_token, validate=False, impl=impl
+    )
+    draft_tokens = torch.gather(tokens, 1, top_scores_index)
+    return parent_list, top_scores_index, draft_tokens
+
+
+_OUR_MODES = (TreeMaskMode.ANCESTOR_BITMASK, TreeMaskMode.PARENT_POINTER)
+
+
+def build_tree_sglang_layout(
+    bonus_tokens,
+    parent_list,
+    top_scores_index,
+    draft_tokens,
+    seq_lens,
+    seq_lens_sum,
+    topk,
+    spec_steps,
+    num_verify_tokens,
+    tree_mask_mode=TreeMaskMode.FULL_MASK,
+    tree_mask_buf=None,
+    fill_prefix_mask=True,
+    *,
+    impl="auto",
+):
+    """Drop-in for ``eagle_utils.build_tree_kernel_efficient`` using our builder
+    (every mode, incl. ANCESTOR_BITMASK and PARENT_POINTER)."""
+    mode = parse_mask_mode(int(tree_mask_mode))
+    bs = seq_lens.numel()
+    if top_scores_index.shape[1] + 1 != num_verify_tokens:
+        raise ValueError(
+            f"{ALGORITHM_NAME}: {top_scores_index.shape[1]} selected nodes + root != "
+            f"num_verify_tokens={num_verify_tokens}"
+        )
+    buf = tree_mask_buf
+    if buf is not None and mode in _OUR_MODES:
+        buf = buf[:bs]  # the backend's buffer holds max_bs rows
+    build = stk.build_tree(
+        top_scores_index.long(),
+        parent_list.long(),
+        seq_lens.long(),
+        topk,
+        spec_steps,
+        mode,
+        seq_lens_sum=seq_lens_sum,
+        fill_prefix_mask=fill_prefix_mask,
+        tree_mask_buf=buf,
+        validate=False,
+        impl=impl,
+    )
+    flat_tokens = torch.cat((bonus_tokens.unsqueeze(1), draft_tokens), dim=1).flatten()
+    return (
+        build.tree_mask,
+        build.positions.flatten(),
+        build.retrieve_index,
+        build.retrieve_next_token,
+        build.retrieve_next_sibling,
+        flat_tokens,
+    )
+
+
+def verify_tree_greedy_sglang_layout(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrieve_index,
+    retrieve_next_token,
+    retrieve_next_sibling,
+    target_predict,
+    topk=-1,
+    *,
+    impl="auto",
+):
+    """Drop-in for ``spec_tree.verify_tree_greedy_func`` (fills the three
+    mutable outputs in SGLang's layout and returns them)."""
+    bs, nodes = candidates.shape
+    result = stk.verify_tree_greedy(
+        candidates.long(),
+        retrieve_next_token.long(),
+        retrieve_next_sibling.long(),
+        target_predict.long().view(bs, nodes),
+        accept_index.shape[1] - 1,
+        impl=impl,
+    )
+    node = result.accept_index.long()  # [bs, D+1] node-local, -1 padded
+    valid = node >= 0
+    flat = retrieve_index.long().gather(1, node.clamp(min=0))
+    accept_index.copy_(torch.where(valid, flat, torch.full_like(flat, -1)).to(accept_index.dtype))
+    accept_token_num.copy_(result.accept_length.to(accept_token_num.dtype))
+    on_path = torch.zeros(bs, nodes + 1, dtype=torch.bool, device=candidates.device)
+    on_path.scatter_(1, torch.where(valid, node, nodes), True)
+    slots = retrieve_index.long().flatten()
+    current = predicts.gather(0, slots).view(bs, nodes)
+    updated = torch.where(on_path[:, :nodes], target_predict.view(bs, nodes).to(predicts.dtype), current)
+    predicts.scatter_(0, slots, updated.flatten())
+    return predicts, accept_index, accept_token_num
+
+
+_warned_pools: set = set()
+
+
+def plain_kv_views(pool) -> Optional[list]:
+    """[slots, 1, H, D] views of every K and V buffer of a plain token-major
+    pool (SGLang's MHATokenToKVPool, NHD layout, no scale buffers), or None
+    for any other pool (SWA/hybrid/quantized/paged-major): those keep SGLang's
+    own ``move_kv_cache``."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    if type(pool) is not MHATokenToKVPool:
+        return None
+    if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
+        return None
+    if getattr(pool, "k_scale_buffer", None) is not None or getattr(pool, "v_scale_buffer", None) is not None:
+        return None
+    if pool.k_buffer is None:
+        return None
+    return [b.unsqueeze(1) for b in pool.k_buffer] + [b.unsqueeze(1) for b in pool.v_buffer]
+
+
+def move_accepted_kv_sglang_layout(
+    batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator, *, impl="auto", fallback=None
+):
+    """Drop-in for ``spec_utils.move_accept_tokens_to_target_kvcache`` on plain
+    pools (our ``move_accepted_kv``); other pools go to ``fallback``."""
+    pool = token_to_kv_pool_allocator.get_kvcache()
+    caches = plain_kv_views(pool)
+    if caches is None:
+        name = type(pool).__name__
+        if name not in _warned_pools:
+            _warned_pools.add(name)
+            logger.info("%s: KV pool %s is not a plain MHA pool; the accepted-path move uses SGLang's", ALGORITHM_NAME, name)
+        if fallback is None:
+            raise RuntimeError(f"{ALGORITHM_NAME}: no KV move for pool {name}")
+        return fallback(batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator)
+    bs = len(batch.seq_lens)
+    if bs == 0:
+        return None
+    verify_slots = batch.out_cache_loc.long().view(bs, -1)
+    nodes = verify_slots.shape[1]
+    base = torch.arange(bs, device=accept_index.device, dtype=torch.long)[:, None] * nodes
+    index = accept_index.long()
+    node_local = torch.where(index >= 0, index - base, torch.full_like(index, -1))
+    stk.move_accepted_kv(caches, verify_slots, node_local, num_correct_drafts, impl=impl)
+    return None
+
+
+# -------------------------------------------------------------- the hooks
+
+
+def _organize_hook(original, score_list, token_list, parents_list, num_draft_token):
+    rt = _ACTIVE
+    if rt is None:
+        return original(score_list, token_list, parents_list, num_draft_token)
+    return organize_draft_results_closed(score_list, token_list, parents_list, num_draft_token, impl=rt.impl)
+
+
+def _build_hook(original, *args, **kwargs):
+    rt = _ACTIVE
+    if rt is None:
+        return original(*args, **kwargs)
+    return build_tree_sglang_layout(*args, **kwargs, impl=rt.impl)
+
+
+def _verify_hook(original, *args, **kwargs):
+    rt = _ACTIVE
+    if rt is None:
+        return original(*args, **kwargs)
+    return verify_tree_greedy_sglang_layout(*args, **kwargs, impl=rt.impl)
+
+
+def _move_hook(original, batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator):
+    rt = _ACTIVE
+    if rt is None:
+        return original(batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator)
+    return move_accepted_kv_sglang_layout(
+        batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator, impl=rt.impl, fallback=original
+    )
+
+
+HOOKS = (
+    (HOOK_ORGANIZE, _organize_hook),
+    (HOOK_BUILD, _build_hook),
+    (HOOK_VERIFY, _verify_hook),
+    (HOOK_MOVE_KV, _move_hook),
+)
+
+
+# ------------------------------------------------------------ registration
+
+
+def _worker_factory(server_args):
+    from .worker import EagleTreeWorker
+
+    return EagleTreeWorker
+
+
+def _create_torch_backend(runner):
+    from .attention import TreeVerifyTorchNativeBackend
+
+    return TreeVerifyTorchNativeBackend(runner)
+
+
+def _create_triton_backend(runner):
+    from .attention import make_triton_tree_backend
+
+    return make_triton_tree_backend(runner)
+
+
+def register_all() -> None:
+    """Register EAGLE_TREE, its resolution hook, our attention backends and
+    the AROUND hooks with SGLang. Each step skips what is already there."""
+    from sglang.srt.arg_groups import resolution_hooks
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention import attention_registry
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    from .algorithm import handle_speculative_decoding_hook, make_spec_class
+
+    if get_spec(ALGORITHM_NAME) is None:
+        SpeculativeAlgorithm.register(ALGORITHM_NAME, supports_overlap=True, spec_class=make_spec_class())(
+            _worker_factory
+        )
+    step = "handle_speculative_decoding"
+    if handle_speculative_decoding_hook not in resolution_hooks._HOOKS.get(step, ()):
+        resolution_hooks.register_resolution_hook(step)(handle_speculative_decoding_hook)
+    for name, factory in ((BACKEND_TORCH, _create_torch_backend), (BACKEND_TRITON, _create_triton_backend)):
+        attention_registry.register_attention_backend(name)(factory)
+        if name not in ATTENTION_BACKEND_CHOICES:
+            add_attention_backend_choices([name])
+    for target, hook in HOOKS:
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, HookType.AROUND)
+
+
+def ensure_hooks_applied() -> None:
+    """Apply the registered hooks if ``load_plugins`` has not (register()
+    called by hand); HookRegistry skips targets it already patched."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    if any(target not in HookRegistry._patched for target, _ in HOOKS):
+        HookRegistry.apply_hooks()
+    missing = [target for target, _ in HOOKS if target not in HookRegistry._patched]
+    if missing:
+        raise RuntimeError(f"{ALGORITHM_NAME}: SGLang's HookRegistry did not apply hooks to {missing}")

@@ -1,0 +1,244 @@
+"""EAGLE_TREE registration and startup resolution against SGLang 0.5.23.
+
+Runs in ``.venv-sglang`` (``ci/setup_sglang_venv.sh``):
+
+    TRITON_INTERPRET=1 .venv-sglang/bin/python -m pytest tests/sglang/test_plugin_*.py -q
+
+What is real here: SGLang's plugin registry, its ``SpeculativeAlgorithm``,
+its CLI parser (``prepare_server_args``) and its whole ``ServerArgs``
+resolution pipeline, run on config-only checkpoints (nothing is loaded).
+What is faked: ``torchvision`` (see ``spec_plugins.sglang_ext._testing``),
+imported by SGLang's multimodal modules and unusable with CPU-only torch.
+SGLang's server itself cannot start on these machines (no CPU kernels on
+PyPI), so the scheduler-facing methods are called directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_gate import require_sglang_venv
+
+require_sglang_venv()
+
+from spec_plugins.sglang_ext import _testing  # noqa: E402
+
+import torch  # noqa: E402
+from sglang.srt.arg_groups.overrides import resolved_view  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+
+import spec_plugins.sglang_ext as ext  # noqa: E402
+from spec_plugins import engine_versions  # noqa: E402
+from spec_plugins.sglang_ext import config, engine_patches  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return _testing.write_tiny_checkpoint_configs(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    # the resolution hook records the detected variant in the environment
+    monkeypatch.delenv(config.VARIANT_ENV, raising=False)
+    monkeypatch.delenv(config.MASK_MODE_ENV, raising=False)
+    monkeypatch.delenv(engine_versions.ALLOW_UNTESTED_ENV, raising=False)
+
+
+def resolve(ckpt, head="eagle3_head", **kwargs):
+    kwargs.setdefault("attention_backend", config.BACKEND_TORCH)
+    return _testing.resolved_server_args(
+        model_path=ckpt["target"],
+        speculative_algorithm="eagle_tree",
+        speculative_draft_model_path=ckpt[head],
+        **kwargs,
+    )
+
+
+# ----------------------------------------------------------- registration
+
+
+def test_register_is_idempotent_and_the_name_resolves():
+    ext.register()
+    ext.register()  # a second call (SGLang loads plugins once per process, tests call it again)
+    engine_patches.register_all()  # even the inner step is idempotent
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.speculative.spec_registry import _REGISTRY
+
+    assert list(_REGISTRY).count("EAGLE_TREE") == 1
+    for target, hook in engine_patches.HOOKS:
+        assert sum(h is hook for _, h, _ in HookRegistry._hooks[target]) == 1
+    algo = SpeculativeAlgorithm.from_string("eagle_tree")
+    assert algo is SpeculativeAlgorithm.from_string("EAGLE_TREE")
+    assert type(algo).__name__ == "EagleTreeSpecAlgo"
+    assert algo.name == "EAGLE_TREE" and algo.supports_overlap
+
+
+def test_scheduler_facing_methods(ckpt):
+    """The methods 0.5.23's scheduler calls but CustomSpecAlgo lacks, and the
+    EAGLE-family answers that route it through the EAGLE code paths."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    algo = SpeculativeAlgorithm.from_string("EAGLE_TREE")
+    for method in ("carries_draft_hidden_states", "create_future_map", "need_topk"):
+        assert not hasattr(CustomSpecAlgo, method), f"SGLang's CustomSpecAlgo now has {method}: re-check the plugin"
+        assert callable(getattr(algo, method))
+    assert algo.is_eagle() and algo.carries_draft_hidden_states() and algo.need_topk()
+    assert algo.supports_mixed_chunk() and algo.supports_grammar_overlap() and algo.has_draft_kv()
+    assert not (algo.is_dflash() or algo.is_ngram() or algo.is_standalone() or algo.is_none())
+    # scheduler init builds the overlap FutureMap through the spec object
+    pool = ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
+    future_map = algo.create_future_map(torch.device("cpu"), pool)
+    assert type(future_map).__name__ == "FutureMap"
+    # the worker factory: the scheduler builds Cls(server_args=, gpu_id=, nccl_port=, target_worker=)
+    server_args = resolve(ckpt)
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    from spec_plugins.sglang_ext.worker import EagleTreeWorker
+
+    worker_cls = algo.create_worker(server_args)
+    assert worker_cls is EagleTreeWorker and issubclass(worker_cls, EAGLEWorkerV2)
+
+
+def test_variant_follows_the_head_config(ckpt, monkeypatch):
+    algo = SpeculativeAlgorithm.from_string("EAGLE_TREE")
+    resolve(ckpt, head="eagle3_head")
+    assert algo.variant() == "EAGLE3" and algo.is_eagle3()
+    monkeypatch.delenv(config.VARIANT_ENV)
+    resolve(ckpt, head="eagle_head")
+    assert algo.variant() == "EAGLE" and not algo.is_eagle3()
+    monkeypatch.setenv(config.VARIANT_ENV, "eagle3")  # explicit override wins over detection
+    resolve(ckpt, head="eagle_head")
+    assert algo.is_eagle3()
+
+
+def test_seams_resolve_and_a_moved_one_is_reported(monkeypatch):
+    engine_patches.check_seams()
+    moved = engine_patches.Seam("sglang.srt.speculative.eagle_utils:no_such_function", "srt/x.py", "test")
+    monkeypatch.setattr(engine_patches, "SEAMS", engine_patches.SEAMS + (moved,))
+    with pytest.raises(RuntimeError, match="no_such_function"):
+        engine_patches.check_seams()
+
+
+def test_version_gate(monkeypatch):
+    real = engine_versions.importlib.metadata.version
+    monkeypatch.setattr(
+        engine_versions.importlib.metadata, "version", lambda d: "0.5.99" if d == "sglang" else real(d)
+    )
+    monkeypatch.setattr(ext, "_registered", False)
+    with pytest.raises(RuntimeError, match="0.5.99.*not a tested release"):
+        ext.register()
+    assert ext._registered is False
+    monkeypatch.setenv(engine_versions.ALLOW_UNTESTED_ENV, "1")
+    ext.register()
+    assert ext._registered is True
+
+
+def test_attention_backends_registered_and_on_the_cli(ckpt):
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import prepare_server_args
+
+    for name in config.OUR_BACKENDS:
+        assert name in ATTENTION_BACKENDS and ATTENTION_BACKEND_CHOICES.count(name) == 1
+    argv = [
+        "--model-path", ckpt["target"], "--speculative-algorithm", "EAGLE_TREE",
+        "--speculative-draft-model-path", ckpt["eagle3_head"], "--speculative-num-steps", "5",
+        "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
+        "--attention-backend", "spec_tree", "--device", "cpu", "--skip-tokenizer-init",
+    ]  # fmt: skip
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    view = resolved_view(server_args)
+    assert (view.speculative_algorithm, view.attention_backend) == ("EAGLE_TREE", "spec_tree")
+    assert (view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (5, 4, 8)
+
+
+# ------------------------------------------------------------- resolution
+
+
+def test_resolution_applies_sglang_eagle_defaults(ckpt):
+    view = resolved_view(resolve(ckpt))
+    # SGLang's _auto_choose_speculative_params for a Llama target, and the EAGLE family defaults
+    assert (view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (5, 4, 8)
+    assert view.max_running_requests == 48
+    assert view.disable_overlap_schedule  # CPU: SGLang turns overlap off for speculative decoding
+    # ours: our backend has no CUDA-graph verify; the draft needs one of SGLang's draft backends
+    assert view.cuda_graph_config.decode.backend == "disabled"
+    assert view.cuda_graph_config.prefill.backend == "disabled"
+    assert view.speculative_draft_attention_backend == "intel_amx"
+    # topk == 1: SGLang pins draft tokens to steps + 1, as for EAGLE
+    view = resolved_view(resolve(ckpt, speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=8))
+    assert view.speculative_num_draft_tokens == 4
+
+
+def test_resolution_with_sglang_backend_keeps_its_mode(ckpt, monkeypatch):
+    # (intel_amx, SGLang's CPU verify backend, falls back to torch_native on CPUs without AMX)
+    view = resolved_view(resolve(ckpt, attention_backend="triton"))
+    assert view.attention_backend == "triton" and view.speculative_draft_attention_backend is None
+    assert config.resolve_mask_mode(None, "triton") == config.TreeMaskMode.FULL_MASK
+    assert config.resolve_mask_mode(None, "intel_amx") == config.TreeMaskMode.QLEN_ONLY
+    monkeypatch.setenv(config.MASK_MODE_ENV, "full_mask")  # what SGLang's GPU backends read
+    resolve(ckpt, attention_backend="triton")
+    # large trees with our backend
+    monkeypatch.setenv(config.MASK_MODE_ENV, "ANCESTOR_BITMASK")
+    view = resolved_view(resolve(ckpt, speculative_num_steps=9, speculative_eagle_topk=4, speculative_num_draft_tokens=128))
+    assert view.speculative_num_draft_tokens == 128
+
+
+STARTUP_ERRORS = [
+    pytest.param({config.MASK_MODE_ENV: "BOGUS"}, {}, "unknown tree mask mode 'BOGUS'", id="unknown-mode"),
+    pytest.param({config.MASK_MODE_ENV: "FULL_MASK"}, {}, "'spec_tree'.*cannot read", id="ours-cannot-read-full"),
+    pytest.param({config.MASK_MODE_ENV: "QLEN_ONLY_BITPACKING"}, {}, "cannot read", id="bitpacking-has-no-reader"),
+    pytest.param(
+        {config.MASK_MODE_ENV: "ANCESTOR_BITMASK"}, {"attention_backend": "triton"},
+        "'triton' cannot read.*it reads FULL_MASK.*need --attention-backend spec_tree",
+        id="sglang-backend-cannot-read-ours",
+    ),
+    pytest.param(
+        {config.MASK_MODE_ENV: "QLEN_ONLY"}, {"attention_backend": "triton"}, "'triton' cannot read",
+        id="triton-reads-full-mask-only",
+    ),
+    pytest.param(
+        {}, {"speculative_num_steps": 2, "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 8},
+        "num_draft_tokens=8 needs 7 draft nodes but num_steps=2, topk=2 only draft 6", id="tree-larger-than-pool",
+    ),
+    pytest.param(
+        {}, {"speculative_num_steps": 40, "speculative_eagle_topk": 8, "speculative_num_draft_tokens": 1100},
+        "1100 exceeds what tree mask mode ANCESTOR_BITMASK supports \\(1024", id="tree-beyond-mode",
+    ),
+    pytest.param(
+        {}, {"speculative_eagle_topk": 4}, "need --speculative-num-steps too", id="topk-without-steps",
+    ),
+    pytest.param({}, {"attention_backend": "torch_native"}, "no tree-verify support", id="torch-native-tree"),
+    pytest.param({}, {"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype fp8_e4m3 is not supported", id="fp8-kv"),
+    pytest.param(
+        {}, {"prefill_attention_backend": "spec_tree", "decode_attention_backend": "triton",
+             "attention_backend": None}, "for both prefill and decode", id="split-backends",
+    ),
+    # SGLang's own EAGLE-family check (_handle_eagle_family), applied to EAGLE_TREE
+    pytest.param({}, {"page_size": 4}, "speculative_eagle_topk > 1 with page_size > 1 is only supported on",
+                 id="sglang-eagle-check-page-size"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("env,kwargs,message", STARTUP_ERRORS)
+def test_clear_startup_errors(ckpt, monkeypatch, env, kwargs, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=message):
+        resolve(ckpt, **kwargs)
+
+
+def test_other_algorithms_are_untouched(ckpt, monkeypatch):
+    monkeypatch.setenv(config.MASK_MODE_ENV, "BOGUS")  # would fail EAGLE_TREE; EAGLE never reads it
+    server_args = _testing.resolved_server_args(
+        model_path=ckpt["target"], speculative_algorithm="EAGLE", speculative_draft_model_path=ckpt["eagle_head"],
+        attention_backend="triton",
+    )  # fmt: skip
+    view = resolved_view(server_args)
+    assert view.speculative_algorithm == "EAGLE" and view.speculative_draft_attention_backend is None
+    assert config.VARIANT_ENV not in __import__("os").environ
