@@ -27,19 +27,12 @@ Our side runs with ``impl="torch"`` and ``impl="triton"``.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
-pytest.importorskip(
-    "sglang.kernels.ops.speculative.spec_tree",
-    reason="SGLang is not importable: these tests run in .venv-sglang (build it with ci/setup_sglang_venv.sh)",
-)
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip(
-        "the SGLang cross-check runs its Triton kernels on CPU: set TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
+from sglang_gate import require_sglang_venv  # noqa: E402
+
+require_sglang_venv(register_plugin=False)
 
 import torch  # noqa: E402
 from hypothesis import HealthCheck, assume, event, example, given, settings  # noqa: E402
