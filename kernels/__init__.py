@@ -8,6 +8,7 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 
 * ``select_tree_nodes``  EAGLE-2 global top-(T-1) over the draft pool, ancestor-closed.
 * ``build_tree``         positions, retrieve links and the tree mask (``TreeMaskMode``).
+* ``tree_from_parents`` the same outputs for trees kept as parent pointers.
 * ``verify_tree_greedy`` greedy tree walk: accepted path, length, emitted tokens.
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
 * ``mask_bytes_per_request`` memory of each mask mode.
@@ -22,10 +23,12 @@ Each op has a torch reference (``reference``), a Triton implementation
 from .api import (
     build_tree,
     move_accepted_kv,
+    node_parents,
     parent_list_width,
     pool_size,
     resolve_impl,
     select_tree_nodes,
+    tree_from_parents,
     validate_tree_shape,
     verify_tree_greedy,
 )
@@ -49,12 +52,14 @@ __all__ = [
     "build_tree",
     "mask_bytes_per_request",
     "move_accepted_kv",
+    "node_parents",
     "parent_list_width",
     "parse_mask_mode",
     "pool_size",
     "resolve_impl",
     "select_tree_nodes",
     "tree_attention",
+    "tree_from_parents",
     "validate_tree_shape",
     "verify_tree_greedy",
 ]

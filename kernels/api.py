@@ -308,6 +308,56 @@ def build_tree(
     return out
 
 
+def tree_from_parents(
+    parent: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mode: "TreeMaskMode | int | str" = TreeMaskMode.ANCESTOR_BITMASK,
+    *,
+    max_depth: int | None = None,
+) -> TreeBuild:
+    """``build_tree``'s outputs for trees given as parent pointers (torch ops).
+
+    For engines that keep each request's tree as parents (vLLM: a request's
+    drafts may be cut to a BFS prefix by the scheduler, and a prefix of a
+    parents array is still a tree).
+    parent:   [B, T] int64 node-local parent, -1 for the root (node 0); every
+              parent must precede its child.
+    seq_lens: [B] int64 committed context length (positions = seq_lens + depth).
+    mode:     any mode but FULL_MASK (whose prefix columns need the context).
+    Raises ValueError on a parents array that is not such a tree.
+    """
+    mode = parse_mask_mode(mode)
+    if mode == TreeMaskMode.FULL_MASK:
+        raise ValueError("tree_from_parents does not build FULL_MASK; use a compact mode")
+    _check_tensor("parent", parent, 2, (torch.int64,))
+    _check_tensor("seq_lens", seq_lens, 1, (torch.int64,), parent.device)
+    batch, nodes = parent.shape
+    if nodes < 1 or nodes > max_nodes(mode):
+        raise ValueError(f"trees must have 1..{max_nodes(mode)} nodes for mask mode {mode.name}, got {nodes}")
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries for {batch} trees")
+    node = torch.arange(nodes, device=parent.device)
+    if bool((parent[:, 0] != -1).any()) or bool(((parent[:, 1:] < 0) | (parent[:, 1:] >= node[1:])).any()):
+        raise ValueError(f"parent must be -1 for node 0 and in [0, i) for node i, got {parent.tolist()}")
+    anc, depth, _ = reference.ancestor_matrix(parent, nodes - 1 if max_depth is None else max_depth)
+    first_child, next_sibling = reference.tree_links(parent)
+    mask = reference.encode_mask(anc, parent, depth, seq_lens, mode, 0, False, None)
+    retrieve_index = torch.arange(batch * nodes, device=parent.device, dtype=torch.int64).view(batch, nodes)
+    return TreeBuild(mask, seq_lens[:, None] + depth, retrieve_index, first_child, next_sibling)
+
+
+def node_parents(selected_index: torch.Tensor, parent_list: torch.Tensor, topk: int) -> torch.Tensor:
+    """[B, T] int64 node-local parents (-1 root) of a closed selection.
+
+    selected_index / parent_list as for ``build_tree``. Raises ValueError when
+    some node's parent candidate was not selected (an open tree).
+    """
+    parent, found = reference.node_parents(selected_index, parent_list, topk)
+    if not bool(found.all()):
+        raise ValueError(f"selection is not ancestor-closed: {selected_index.tolist()}")
+    return parent
+
+
 def verify_tree_greedy(
     candidates: torch.Tensor,
     retrieve_next_token: torch.Tensor,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 import spec_tree_kernels as stk
+from spec_plugins.tree_drafting import draft_pool
 
 
 @dataclass
@@ -119,7 +120,6 @@ class TreeDecoder:
         self.head = head.eval()
         self.kind = head.c.kind
         self.impl = impl  # spec_tree_kernels implementation ("torch" on CPU)
-        self.draft_to_target = head.draft_to_target()
         self.eos = target_model.config.eos_token_id
 
     # ------------------------------------------------------------------ greedy
@@ -172,8 +172,8 @@ class TreeDecoder:
         while len(out.tokens) < max_new_tokens and not (stop_at_eos and out.tokens[-1] == self.eos):
             # 1. draft the pool
             t1 = time.perf_counter()
-            scores, pool_tokens, parent_list = self._draft_pool(last_logits, last_hidden, dk, dv, kv_len,
-                                                                num_steps, topk, tm)
+            scores, pool_tokens, parent_list = draft_pool(self.head, last_logits, last_hidden, dk, dv, kv_len,
+                                                          num_steps, topk, tm.add)
             tm.add("draft_tree", time.perf_counter() - t1)
             # 2. select + build
             t1 = time.perf_counter()
@@ -224,44 +224,3 @@ class TreeDecoder:
         out.tokens = out.tokens[:max_new_tokens]
         out.seconds = time.perf_counter() - t0
         return out
-
-    def _draft_pool(self, last_logits, last_hidden, dk, dv, kv_len: int, num_steps: int, topk: int, tm: Timer):
-        """EAGLE-2 expansion in SGLang's pool layout.
-
-        Returns (scores [P] float32, pool_tokens [P] target ids, parent_list [1 + (S-1)K] int64)."""
-        K = topk
-        probs = last_logits.float().softmax(-1)
-        top_p, top_i = probs.topk(K)
-        pool_scores, pool_tokens = [top_p], [self.draft_to_target[top_i]]
-        parents = [torch.arange(-1, K)]
-        surv_scores, surv_tokens = top_p, self.draft_to_target[top_i]
-        surv_hidden = last_hidden.expand(K, -1)
-        surv_anc = torch.zeros(K, 0, dtype=torch.bool)  # [K, tree entries so far]: entry is an ancestor
-        tree_k = dk.new_zeros(0, *dk.shape[1:])
-        tree_v = dv.new_zeros(0, *dv.shape[1:])
-        for i in range(1, num_steps):
-            n_tree = tree_k.shape[0]
-            bias = torch.zeros(K, kv_len + n_tree + K)
-            bias[:, kv_len : kv_len + n_tree] = torch.where(surv_anc, 0.0, float("-inf"))
-            bias[:, kv_len + n_tree :] = torch.full((K, K), float("-inf")).fill_diagonal_(0.0)
-            t1 = time.perf_counter()
-            logits, hidden, k, v = self.head.step(surv_tokens, surv_hidden, torch.full((K,), kv_len + i - 1),
-                                                  torch.cat([dk, tree_k]), torch.cat([dv, tree_v]), bias)
-            tm.add("draft_step", time.perf_counter() - t1)
-            tree_k, tree_v = torch.cat([tree_k, k]), torch.cat([tree_v, v])
-            # each row's new entry: its ancestors' entries plus itself
-            row_anc = torch.cat([surv_anc, torch.eye(K, dtype=torch.bool)], 1)
-            probs = logits.float().softmax(-1)
-            tp, ti = probs.topk(K, dim=-1)  # [K rows, K children]
-            expand = (surv_scores[:, None] * tp).flatten()
-            child_tokens = self.draft_to_target[ti].flatten()
-            pool_scores.append(expand)
-            pool_tokens.append(child_tokens)
-            if i < num_steps - 1:
-                best = torch.sort(expand, descending=True, stable=True).indices[:K]
-                parents.append(best + K * K * (i - 1) + K)
-                rows = best // K
-                surv_scores, surv_tokens = expand[best], child_tokens[best]
-                surv_hidden, surv_anc = hidden[rows], row_anc[rows]
-        parent_list = torch.cat(parents) if num_steps > 1 else torch.empty(0, dtype=torch.long)
-        return torch.cat(pool_scores), torch.cat(pool_tokens), parent_list
