@@ -1,0 +1,243 @@
+"""Tree settings for vLLM: where they come from and what is refused at startup.
+
+Two ways in, one result (``additional_config["spec_tree"]`` plus an ordinary
+EAGLE ``speculative_config``):
+
+* Python: ``LLM(..., speculative_config={"method": "eagle3", "model": HEAD},
+  additional_config={"spec_tree": {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}})``
+* CLI (SGLang's flag names): ``vllm serve TARGET --speculative-algorithm EAGLE_TREE
+  --speculative-draft-model-path HEAD --speculative-num-steps 5
+  --speculative-eagle-topk 4 --speculative-num-draft-tokens 8``
+
+Nothing here imports vLLM at module load; the checks read vLLM's config
+objects by attribute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import spec_tree_kernels as stk
+from spec_plugins.tree_drafting import TreeShape
+
+SPEC_TREE_KEY = "spec_tree"
+CLI_ALGORITHM = "EAGLE_TREE"
+# SGLang's defaults for Llama targets (speculative_hook.py): a (5, 4, 8) tree.
+DEFAULT_SHAPE = {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}
+MAX_SPEC_LEN = 128  # vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN: drafts per request per step
+DEFAULT_MASK_MODE = "ANCESTOR_BITMASK"
+ALLOWED_MASK_MODES = ("ANCESTOR_BITMASK", "PARENT_POINTER", "QLEN_ONLY")
+CPU_WORKER = "spec_plugins.vllm_ext.worker.TreeCPUWorker"
+GPU_WORKER = "spec_plugins.vllm_ext.worker.TreeGPUWorker"
+
+
+class TreeConfigError(ValueError):
+    """A tree setting vLLM cannot serve; the message names the option."""
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    shape: TreeShape
+    mask_mode: str = DEFAULT_MASK_MODE
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return self.shape.num_draft_tokens - 1
+
+    def as_dict(self) -> dict:
+        return {**asdict(self.shape), "mask_mode": self.mask_mode}
+
+
+def parse_tree_settings(raw) -> TreeSettings:
+    """``additional_config["spec_tree"]`` (a dict; missing keys take the
+    documented defaults) -> TreeSettings, with errors that name the key."""
+    if raw is True or raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise TreeConfigError(f"additional_config[{SPEC_TREE_KEY!r}] must be a dict, got {raw!r}")
+    unknown = set(raw) - {"num_steps", "topk", "num_draft_tokens", "mask_mode"}
+    if unknown:
+        raise TreeConfigError(f"unknown key(s) {sorted(unknown)} in additional_config[{SPEC_TREE_KEY!r}]; "
+                              "known: num_steps, topk, num_draft_tokens, mask_mode")
+    values = {}
+    for key in ("num_steps", "topk", "num_draft_tokens"):
+        v = raw.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TreeConfigError(f"spec_tree {key} must be an integer, got {v!r}")
+        values[key] = v
+    if "num_draft_tokens" not in values and values.get("topk") == 1 and "num_steps" in values:
+        values["num_draft_tokens"] = values["num_steps"] + 1  # a chain of num_steps
+    merged = {**DEFAULT_SHAPE, **values}
+    try:
+        shape = TreeShape(**merged)
+    except ValueError as e:
+        raise TreeConfigError(f"invalid spec_tree {merged}: {e}") from None
+    if shape.topk == 1 and shape.num_draft_tokens != shape.num_steps + 1:
+        raise TreeConfigError(
+            f"spec_tree topk=1 is a chain: num_draft_tokens must be num_steps + 1 = {shape.num_steps + 1}, "
+            f"got {shape.num_draft_tokens}")
+    if shape.num_draft_tokens - 1 > MAX_SPEC_LEN:
+        raise TreeConfigError(f"spec_tree num_draft_tokens={shape.num_draft_tokens} exceeds vLLM's limit of "
+                              f"{MAX_SPEC_LEN} draft tokens per request (+1 root)")
+    mode = str(raw.get("mask_mode", DEFAULT_MASK_MODE)).upper()
+    if mode not in ALLOWED_MASK_MODES:
+        raise TreeConfigError(f"spec_tree mask_mode={raw.get('mask_mode')!r}; the vLLM tree attention reads "
+                              f"{', '.join(ALLOWED_MASK_MODES)}")
+    if shape.num_draft_tokens > stk.modes.max_nodes(mode):
+        raise TreeConfigError(f"spec_tree num_draft_tokens={shape.num_draft_tokens} exceeds mask mode {mode}'s "
+                              f"limit of {stk.modes.max_nodes(mode)}")
+    return TreeSettings(shape=shape, mask_mode=mode)
+
+
+def head_method(path: str) -> str:
+    """"eagle3" or "eagle" from a head folder's config.json (EAGLE-1 vs EAGLE-3)."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise TreeConfigError(
+            f"--speculative-draft-model-path {path!r}: no config.json there (a local head folder is needed to "
+            "tell EAGLE-1 from EAGLE-3; or pass --speculative-config with an explicit method)")
+    cfg = json.loads(cfg_path.read_text())
+    archs = " ".join(cfg.get("architectures") or [])
+    return "eagle3" if ("Eagle3" in archs or "eagle_config" in cfg or "draft_vocab_size" in cfg) else "eagle"
+
+
+def settings_from_vllm_config(vllm_config) -> TreeSettings | None:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if SPEC_TREE_KEY not in extra:
+        return None
+    return parse_tree_settings(extra[SPEC_TREE_KEY])
+
+
+# ------------------------------------------------------------ engine arguments
+
+
+def prepare_engine_args(engine_args) -> TreeSettings | None:
+    """Before vLLM builds its config: fill what tree mode needs into EngineArgs.
+
+    Sets num_speculative_tokens = T - 1 (or checks it), the tree worker
+    class, async scheduling off; refuses what the tree cannot serve.
+    Returns None (and changes nothing) when spec_tree is not requested.
+    """
+    extra = engine_args.additional_config or {}
+    if SPEC_TREE_KEY not in extra:
+        return None
+    settings = parse_tree_settings(extra[SPEC_TREE_KEY])
+    engine_args.additional_config = {**extra, SPEC_TREE_KEY: settings.as_dict()}
+    spec = dict(engine_args.speculative_config or {})
+    method = spec.get("method")
+    if method not in ("eagle", "eagle3"):
+        raise TreeConfigError(
+            f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), "
+            f"got method={method!r}")
+    if not spec.get("model"):
+        raise TreeConfigError("spec_tree needs speculative_config['model'] (the draft head)")
+    given = spec.get("num_speculative_tokens")
+    if given is not None and given != settings.num_spec_tokens:
+        raise TreeConfigError(
+            f"num_speculative_tokens={given} but spec_tree num_draft_tokens={settings.shape.num_draft_tokens}: "
+            f"it must equal num_draft_tokens - 1 = {settings.num_spec_tokens} (or be left out)")
+    spec["num_speculative_tokens"] = settings.num_spec_tokens
+    engine_args.speculative_config = spec
+    if getattr(engine_args, "async_scheduling", None):
+        raise TreeConfigError("async_scheduling=True is not supported with spec_tree (the tree walk needs the "
+                              "accepted path on the host before the next step is scheduled); leave it unset")
+    engine_args.async_scheduling = False
+    for option, bad in (("pipeline_parallel_size", lambda v: (v or 1) > 1),
+                        ("tensor_parallel_size", lambda v: (v or 1) > 1),
+                        ("enable_lora", bool), ("enable_prompt_embeds", bool)):
+        value = getattr(engine_args, option, None)
+        if bad(value):
+            raise TreeConfigError(f"{option}={value!r} is not supported with spec_tree (untested: the tree "
+                                  "proposer runs the head unsharded on token ids)")
+    kv_dtype = str(getattr(engine_args, "kv_cache_dtype", "auto"))
+    if kv_dtype.startswith("fp8"):
+        raise TreeConfigError(f"kv_cache_dtype={kv_dtype!r} is not supported with spec_tree (tree attention and "
+                              "the KV move read the cache in the model dtype)")
+    worker = getattr(engine_args, "worker_cls", "auto")
+    wanted = tree_worker_cls()
+    if worker not in ("auto", wanted):
+        raise TreeConfigError(f"worker_cls={worker!r}: spec_tree installs its own worker ({wanted})")
+    engine_args.worker_cls = wanted
+    if wanted == GPU_WORKER:
+        # The tree mixin subclasses vLLM's V1 GPU runner; the V2 runner (default on
+        # CUDA in 0.33) has different seams. Environment, so spawned workers see it.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return settings
+
+
+def tree_worker_cls() -> str:
+    from vllm.platforms import current_platform
+
+    return CPU_WORKER if current_platform.is_cpu() else GPU_WORKER
+
+
+def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
+    """After vLLM built its config: what only the full config can tell."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.num_speculative_tokens != settings.num_spec_tokens:
+        raise TreeConfigError("spec_tree: vLLM dropped or changed num_speculative_tokens "
+                              f"({getattr(spec, 'num_speculative_tokens', None)} != {settings.num_spec_tokens})")
+    model = vllm_config.model_config
+    if getattr(model, "uses_mrope", False):
+        raise TreeConfigError(f"model {model.model}: M-RoPE targets are not supported with spec_tree")
+    if model.get_sliding_window() is not None:
+        raise TreeConfigError(f"model {model.model} uses sliding-window attention, which the tree attention "
+                              "does not implement; spec_tree refuses it")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise TreeConfigError("pipeline_parallel_size > 1 is not supported with spec_tree")
+
+
+# ------------------------------------------------------------------- CLI flags
+
+CLI_FLAGS = {
+    # flag -> (namespace attribute, type, help)
+    "--speculative-algorithm": ("speculative_algorithm", str,
+                                f"{CLI_ALGORITHM} turns on spec-plugins' tree EAGLE (SGLang's flag name)."),
+    "--speculative-draft-model-path": ("speculative_draft_model_path", str,
+                                       "EAGLE-1 or EAGLE-3 head folder (kind read from its config.json)."),
+    "--speculative-num-steps": ("speculative_num_steps", int, "Tree depth (default 5)."),
+    "--speculative-eagle-topk": ("speculative_eagle_topk", int, "Branching per draft step (default 4; 1 = chain)."),
+    "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int,
+                                       "Tree nodes incl. the root (default 8; chain: num_steps + 1)."),
+}
+
+
+def add_cli_flags(parser) -> None:
+    """Add SGLang-named tree flags to vLLM's parser (skipped if already there)."""
+    existing = set(getattr(parser, "_option_string_actions", {}))
+    group = parser.add_argument_group("spec-plugins tree speculative decoding")
+    for flag, (dest, typ, help_text) in CLI_FLAGS.items():
+        if flag not in existing:
+            group.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
+
+
+def apply_cli_flags(engine_args, namespace) -> None:
+    """Translate the tree flags in ``namespace`` into EngineArgs fields."""
+    algo = getattr(namespace, "speculative_algorithm", None)
+    tree_flags = {k: getattr(namespace, dest, None) for k, (dest, _, _) in CLI_FLAGS.items()}
+    if algo is None:
+        used = [k for k, v in tree_flags.items() if v is not None]
+        if used:
+            raise TreeConfigError(f"{', '.join(used)} given without --speculative-algorithm {CLI_ALGORITHM}")
+        return
+    if algo.upper() != CLI_ALGORITHM:
+        raise TreeConfigError(f"--speculative-algorithm {algo!r}: spec-plugins adds only {CLI_ALGORITHM} "
+                              "to vLLM (other methods: --speculative-config)")
+    head = getattr(namespace, "speculative_draft_model_path", None)
+    if not head:
+        raise TreeConfigError(f"--speculative-algorithm {CLI_ALGORITHM} needs --speculative-draft-model-path")
+    if engine_args.speculative_config:
+        raise TreeConfigError(f"--speculative-algorithm {CLI_ALGORITHM} and --speculative-config are exclusive")
+    engine_args.speculative_config = {"method": head_method(head), "model": head}
+    tree = {}
+    for key, dest in (("num_steps", "speculative_num_steps"), ("topk", "speculative_eagle_topk"),
+                      ("num_draft_tokens", "speculative_num_draft_tokens")):
+        v = getattr(namespace, dest, None)
+        if v is not None:
+            tree[key] = v
+    engine_args.additional_config = {**(engine_args.additional_config or {}), SPEC_TREE_KEY: tree}
