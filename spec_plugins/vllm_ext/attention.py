@@ -164,6 +164,7 @@ def install_cpu_override() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.TreeCPUAttentionBackend")
+    _forget_resolved_backends()
 
 
 # ------------------------------------------------------------------------ GPU
@@ -174,3 +175,24 @@ def install_gpu_backend() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, "spec_plugins.vllm_ext.attention_gpu.TreeFlashAttentionBackend")
+    _forget_resolved_backends()
+
+
+def _forget_resolved_backends() -> None:
+    # vLLM memoizes backend classes per process (selector._cached_get_attn_backend):
+    # an engine built earlier in this process would otherwise hand us its class.
+    from vllm.v1.attention import selector
+
+    selector._cached_get_attn_backend.cache_clear()
+
+
+TREE_IMPL_NAMES = ("TreeCPUAttentionImpl", "TreeFlashAttentionImpl")
+
+
+def check_tree_attention_installed(static_forward_context: dict, layer_names) -> None:
+    """Fail at startup if a target attention layer did not get a tree-aware impl."""
+    for name in layer_names:
+        impl = getattr(static_forward_context.get(name), "impl", None)
+        if type(impl).__name__ not in TREE_IMPL_NAMES:
+            raise RuntimeError(f"spec-plugins: attention layer {name} uses {type(impl).__name__}, not a tree-aware "
+                               "backend: tree verification would be wrong")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import os
 import numpy as np
 import torch
 
@@ -39,9 +40,12 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 import spec_tree_kernels as stk
 from spec_plugins.tree_drafting import DraftTree
 
-from .attention import VerifyTrees, cpu_kv_views, flash_kv_views, publish_verify_trees
+from .attention import VerifyTrees, check_tree_attention_installed, cpu_kv_views, flash_kv_views, publish_verify_trees
 from .config import settings_from_vllm_config
 from .proposer import ExtendInput, PagedHeadKV, TreeEagleProposer
+
+
+FAULT_ENV = "SPEC_PLUGINS_INJECT_FAULT"
 
 
 @dataclass
@@ -106,6 +110,11 @@ class TreeRunnerMixin:
         if self.uses_mrope:
             raise RuntimeError("spec-plugins tree runner: M-RoPE models are not supported")
         self.tree_settings = settings
+        # TEST-ONLY fault injection, for the regression harness's own tests:
+        # "skip_kv_move" or "accept_extra" (never set it in production).
+        self.injected_fault = os.environ.get(FAULT_ENV) or None
+        if self.injected_fault not in (None, "skip_kv_move", "accept_extra"):
+            raise ValueError(f"{FAULT_ENV}={self.injected_fault!r}: known faults are skip_kv_move, accept_extra")
         self.tree_proposer: TreeEagleProposer | None = None
         self.tree_stats = TreeStats()
         self._drafted: dict[str, DraftTree] = {}  # req_id -> the tree behind its current spec tokens
@@ -121,6 +130,13 @@ class TreeRunnerMixin:
         super().load_model(*args, **kwargs)
         self.tree_proposer = TreeEagleProposer.for_vllm(self.vllm_config, self.model, self.tree_settings.shape,
                                                         self.device, self.tree_impl)
+
+    def initialize_kv_cache(self, *args, **kwargs):
+        super().initialize_kv_cache(*args, **kwargs)
+        draft_layers = set(self.drafter._draft_attn_layer_names)
+        target_layers = [n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names
+                         if n not in draft_layers]
+        check_tree_attention_installed(self.compilation_config.static_forward_context, target_layers)
 
     def _layer_kv(self, name: str) -> torch.Tensor:
         kv = self.compilation_config.static_forward_context[name].kv_cache
@@ -241,9 +257,22 @@ class TreeRunnerMixin:
                                      sampling_metadata)
         emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
         self._accepted_paths = {row: path[: emitted[row]] for row, path in paths.items()}
-        self._move_accepted_kv(groups)
+        if self.injected_fault == "accept_extra":
+            self._inject_accept_extra(out, groups, emitted)
+        if self.injected_fault != "skip_kv_move":
+            self._move_accepted_kv(groups)
         self.tree_stats.verify_steps += 1
         return out
+
+    def _inject_accept_extra(self, out, groups: dict[int, TreeGroup], emitted: list[int]) -> None:
+        """TEST-ONLY fault: the first rejected child of the last accepted node is
+        emitted in place of the bonus token (an off-by-one in the walk)."""
+        for g in groups.values():
+            for b, row in enumerate(g.rows):
+                last = int(self._accepted_paths[row][-1])
+                child = int(g.build.retrieve_next_token[b, last])
+                if child >= 0:
+                    out.sampled_token_ids[row, emitted[row] - 1] = g.candidates[b, child]
 
     def _move_accepted_kv(self, groups: dict[int, TreeGroup]) -> None:
         draft_layers = set(self.drafter._draft_attn_layer_names)

