@@ -373,3 +373,56 @@ def test_mask_bytes_per_request_formulas():
     assert K.mask_bytes_per_request("PARENT_POINTER", 128, 32768) == 512
     with pytest.raises(ValueError, match="at most 32 nodes"):
         K.mask_bytes_per_request("QLEN_ONLY_BITPACKING", 33, 0)
+
+
+@pytest.mark.parametrize("mode", [M.ANCESTOR_BITMASK, M.PARENT_POINTER, M.QLEN_ONLY])
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**31), nodes=st.integers(1, 70), batch=st.integers(1, 4))
+def test_tree_from_parents_matches_oracle(mode, seed, nodes, batch):
+    """Trees kept as parent pointers (the vLLM runner's form), including BFS
+    prefixes of them (what vLLM's scheduler leaves when it trims drafts)."""
+    rng = random.Random(seed)
+    parents = [[-1] + [rng.randrange(i) for i in range(1, nodes)] for _ in range(batch)]
+    seq_lens = torch.tensor([rng.randint(0, 50) for _ in range(batch)], dtype=torch.int64)
+    for keep in sorted({nodes, max(1, nodes // 2), 1}):
+        sub = [p[:keep] for p in parents]
+        tree = K.tree_from_parents(torch.tensor(sub), seq_lens, mode)
+        for b, p in enumerate(sub):
+            first_child, next_sibling = oracle.links(p)
+            assert tree.positions[b].tolist() == [int(seq_lens[b]) + d for d in oracle.depths(p)]
+            assert tree.retrieve_next_token[b].tolist() == first_child
+            assert tree.retrieve_next_sibling[b].tolist() == next_sibling
+        if mode == M.ANCESTOR_BITMASK:
+            assert tree.tree_mask.tolist() == [oracle.ancestor_words(p) for p in sub]
+        elif mode == M.PARENT_POINTER:
+            assert tree.tree_mask[:, 0].tolist() == sub
+        else:
+            assert tree.tree_mask.view(batch, keep, keep).tolist() == [oracle.qlen_rows(p) for p in sub]
+
+
+@settings(max_examples=100, deadline=None)
+@given(tree_configs())
+def test_node_parents_of_a_selection_is_the_oracle_tree(config):
+    topk, num_steps, nodes, batch, flavor, seed = config
+    _, scores, parent_list, _ = make_case(*config)
+    selected = K.select_tree_nodes(scores, parent_list, topk, num_steps, nodes)
+    got = K.node_parents(selected, parent_list, topk)
+    for b in range(batch):
+        assert got[b].tolist() == oracle.tree_of(selected[b].tolist(), parent_list[b].tolist(), topk)
+
+
+@pytest.mark.parametrize("parent,message", [
+    ([[0, 0, 1]], "must be -1 for node 0"),
+    ([[-1, 1, 0]], "in \\[0, i\\)"),  # a node is its own parent
+    ([[-1, 0, 3, 1]], "in \\[0, i\\)"),  # a parent after its child
+])
+def test_tree_from_parents_rejects_non_trees(parent, message):
+    with pytest.raises(ValueError, match=message):
+        K.tree_from_parents(torch.tensor(parent), torch.zeros(1, dtype=torch.int64))
+
+
+def test_node_parents_rejects_an_open_selection():
+    # topk 2, 2 steps: pool = 2 roots' children + 4 grandchildren; select a grandchild without its parent
+    parent_list = torch.tensor([[-1, 0, 1]])
+    with pytest.raises(ValueError, match="not ancestor-closed"):
+        K.node_parents(torch.tensor([[0, 4]]), parent_list, 2)

@@ -213,9 +213,10 @@ def init_head(kind: str, target, draft_ids: torch.Tensor, seed: int) -> EagleHea
 
 # The shipped heads: stage 1 with greedy-token labels, stage 2 continues from it.
 RECIPES = {
-    "eagle3": [
-        ["--epochs", "5", "--tokens-per-batch", "1024", "--lr", "1e-3", "--threads", "1"],
-        ["--epochs", "2", "--tokens-per-batch", "1024", "--lr", "5e-4", "--threads", "1", "--soft-labels"],
+    "eagle3": [  # 1600 self-distilled answers (~230k answer tokens)
+        ["--num-prompts", "1600", "--epochs", "2", "--tokens-per-batch", "1024", "--lr", "1e-3", "--threads", "1"],
+        ["--num-prompts", "1600", "--epochs", "1", "--tokens-per-batch", "1024", "--lr", "5e-4", "--threads", "1",
+         "--soft-labels"],
     ],
     "eagle1": [
         ["--epochs", "5", "--tokens-per-batch", "1024", "--lr", "1e-3", "--threads", "1"],

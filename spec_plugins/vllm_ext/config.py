@@ -164,10 +164,31 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
         raise TreeConfigError(f"worker_cls={worker!r}: spec_tree installs its own worker ({wanted})")
     engine_args.worker_cls = wanted
     if wanted == GPU_WORKER:
-        # The tree mixin subclasses vLLM's V1 GPU runner; the V2 runner (default on
-        # CUDA in 0.33) has different seams. Environment, so spawned workers see it.
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        prepare_gpu_engine_args(engine_args)
     return settings
+
+
+def prepare_gpu_engine_args(engine_args) -> None:
+    """CUDA only (vLLM 0.33; written against the source, not executed here)."""
+    from vllm.config import CUDAGraphMode
+
+    # The tree mixin subclasses vLLM's V1 GPU runner; the V2 runner (default on
+    # CUDA in 0.33) has different seams. Environment, so spawned workers see it.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    backend = getattr(engine_args, "attention_backend", None)
+    if backend not in (None, "CUSTOM") and getattr(backend, "name", None) != "CUSTOM":
+        raise TreeConfigError(f"attention_backend={backend!r}: spec_tree verifies through its own backend "
+                              "(registered as CUSTOM); leave attention_backend unset")
+    engine_args.attention_backend = "CUSTOM"
+    # A full CUDA graph would replay attention without the tree rows; piecewise
+    # graphs leave attention (a splitting op) eager.
+    compilation = engine_args.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is None:  # vLLM's default (full graphs for decode batches) is decided later: pin it
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    elif mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        raise TreeConfigError(f"cudagraph_mode={mode.name}: full CUDA graphs would replay attention without the "
+                              "tree rows; use PIECEWISE or NONE with spec_tree")
 
 
 def tree_worker_cls() -> str:

@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import os
+import time
+
 import numpy as np
 import torch
 
@@ -67,9 +69,14 @@ class TreeGroup:
 
 @dataclass
 class TreeStats:
-    verify_steps: int = 0
+    """Counters and wall times (host clock; the CPU runner is synchronous)."""
+
+    verify_steps: int = 0  # steps with at least one tree
     chain_fallbacks: int = 0  # drafts the runner did not draft itself, verified as a chain
-    not_speculated: int = 0  # propose calls that returned no tree (sampling, structured output, mid-prefill)
+    not_speculated: int = 0  # requests left without a tree (sampling, structured output, mid-prefill)
+    verify_seconds: float = 0.0  # target forward + sampling of steps with trees (drafting excluded)
+    draft_seconds: float = 0.0  # extend + tree drafting, all requests of all steps
+    draft_calls: int = 0  # steps that drafted
 
 
 def chain_spec_decode_metadata(drafts: list[list[int]], device):
@@ -172,6 +179,22 @@ class TreeRunnerMixin:
         # vLLM zeroes every request's drafts when the longest one nears max_model_len;
         # the tree proposer decides per request and the scheduler trims at max_model_len.
         return common_attn_metadata is not None
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = super().execute_model(scheduler_output, *args, **kwargs)
+        self._step_t0, self._step_forward = t0, time.perf_counter() - t0
+        return out
+
+    def sample_tokens(self, *args, **kwargs):
+        had_trees = bool(self._step_groups)
+        t0 = time.perf_counter()
+        draft_before = self.tree_stats.draft_seconds
+        out = super().sample_tokens(*args, **kwargs)
+        if had_trees:
+            self.tree_stats.verify_seconds += (getattr(self, "_step_forward", 0.0) + time.perf_counter() - t0
+                                               - (self.tree_stats.draft_seconds - draft_before))
+        return out
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -297,6 +320,13 @@ class TreeRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
+        t0 = time.perf_counter()
+        drafts = self._propose_trees(scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states)
+        self.tree_stats.draft_seconds += time.perf_counter() - t0
+        self.tree_stats.draft_calls += 1
+        return drafts
+
+    def _propose_trees(self, scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states):
         accepted, self._accepted_paths = self._accepted_paths, {}
         kv, gid = self._paged_head_kv()
         block_table = self.input_batch.block_table[gid]

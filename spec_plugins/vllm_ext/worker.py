@@ -13,7 +13,15 @@ from vllm.v1.worker.gpu_worker import Worker
 from .attention import install_cpu_override, install_gpu_backend
 
 
-class TreeCPUWorker(CPUWorker):
+class TreeStatsMixin:
+    def spec_tree_stats(self) -> dict:
+        """Runner counters and timers (``llm.collective_rpc("spec_tree_stats")``)."""
+        from dataclasses import asdict
+
+        return asdict(self.model_runner.tree_stats)
+
+
+class TreeCPUWorker(TreeStatsMixin, CPUWorker):
     def init_device(self):
         if self.use_v2_model_runner:
             raise RuntimeError("spec-plugins tree mode needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
@@ -29,7 +37,7 @@ class TreeCPUWorker(CPUWorker):
             _cpu_worker_module.CPUModelRunner = original
 
 
-class TreeGPUWorker(Worker):
+class TreeGPUWorker(TreeStatsMixin, Worker):
     """vLLM 0.33 CUDA (written against the source, not executed here)."""
 
     def init_device(self):

