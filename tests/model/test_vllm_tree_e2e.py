@@ -99,6 +99,7 @@ def long_prompt(tokenizer) -> str:
     return text
 
 
+PREEMPT_TOKENS = 96
 EOS_PROMPT = "What is the capital of France? Answer in one short sentence."
 
 
@@ -110,6 +111,8 @@ def baseline(prompts, long_prompt, tokenizer):
     llm = LLM(**engine_kwargs())
     sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
     out = {"batch": token_ids(llm.generate(prompts, sp, use_tqdm=False))}
+    out["preempt"] = token_ids(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=PREEMPT_TOKENS),
+                                            use_tqdm=False))
     eos = llm.generate([apply_chat_template(tokenizer, EOS_PROMPT)], SamplingParams(temperature=0.0, max_tokens=200),
                        use_tqdm=False)[0].outputs[0]
     out["eos"] = (list(eos.token_ids), eos.finish_reason)
@@ -121,8 +124,8 @@ def baseline(prompts, long_prompt, tokenizer):
     stopped = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=48, stop=[out["stop_string"]]),
                            use_tqdm=False)[0].outputs[0]
     out["stop"] = (list(stopped.token_ids), stopped.text, stopped.finish_reason)
-    sampled = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24) for i in range(4)]
-    out["sampled"] = token_ids(llm.generate(prompts[:4], sampled, use_tqdm=False))
+    out["mixed"] = [(list(o.outputs[0].token_ids), logprob_summary(o.outputs[0].logprobs))
+                    for o in llm.generate(prompts, mixed_params(), use_tqdm=False)]
     del llm
     gc.collect()
     assert out["eos"][1] == "stop", "the EOS prompt must end by EOS for the EOS test to mean anything"
@@ -184,18 +187,21 @@ def test_stop_string_eos_and_max_model_len(prompts, long_prompt, tokenizer, base
 def test_preemption_with_tiny_kv_cache(prompts, baseline):
     from vllm import LLM, SamplingParams
 
-    # 10 requests of ~100-250 tokens in 1024 tokens of KV: the scheduler must preempt.
-    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8), kv_cache_memory_bytes=None, num_gpu_blocks_override=8,
-                            block_size=128))
-    sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
-    got = token_ids(llm.generate(prompts, sp, use_tqdm=False))
+    # 544 tokens of KV (46 KiB per token: 31 layers x K,V x 3 heads x 64 x fp32) for 10
+    # requests that each grow by 96 tokens: running requests outgrow the cache and the
+    # scheduler must preempt (and later recompute) some. max_model_len 512 only lets the
+    # engine start with so little KV; no request comes near it.
+    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8), kv_cache_memory_bytes=26 << 20, block_size=32,
+                            max_model_len=512))
+    got = token_ids(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=PREEMPT_TOKENS),
+                                 use_tqdm=False))
     metrics = llm.get_metrics()
     m = spec_metrics(llm)
     del llm
     gc.collect()
     preemptions = _metric(metrics, "vllm:num_preemptions")
     assert preemptions and preemptions > 0, "the KV cache was not small enough to force preemption"
-    assert_identical(baseline["batch"], got)
+    assert_identical(baseline["preempt"], got)
     assert m["accepted"] > 0, m
 
 
@@ -217,21 +223,42 @@ def test_prefix_caching(prompts, baseline):
     assert m["accepted"] > 0, m
 
 
-def test_sampling_requests_mixed_with_greedy(prompts, baseline):
-    """temperature > 0 requests are decoded without speculation, in the same
-    batches as speculated greedy ones: they get exactly the samples (same
-    seeds) the engine gives without speculation, i.e. the right distribution."""
-    from vllm import LLM, SamplingParams
+def mixed_params():
+    """Sampled requests (two with logprobs), a greedy one with logprobs, one with a
+    repetition penalty (these are not speculated), and plain greedy ones (speculated)."""
+    from vllm import SamplingParams
+
+    sp = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24, logprobs=2 if i < 2 else None)
+          for i in range(4)]
+    sp.append(SamplingParams(temperature=0.0, max_tokens=20, logprobs=3))
+    sp.append(SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3))
+    sp += [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS[6:]]
+    return sp
+
+
+def logprob_summary(logprobs):
+    if logprobs is None:
+        return None
+    return [sorted((tid, round(lp.logprob, 3)) for tid, lp in pos.items()) for pos in logprobs]
+
+
+def test_sampling_logprobs_and_penalties_mixed_with_trees(prompts, baseline):
+    """Requests the tree does not speculate (temperature > 0, logprobs, penalties)
+    share batches with speculated greedy ones: they get exactly what the engine
+    gives without speculation (same seeds -> same samples: the right
+    distribution; same logprobs), and the greedy ones stay identical."""
+    from vllm import LLM
 
     llm = LLM(**tree_kwargs("eagle3", (5, 4, 8)))
-    sp = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24) for i in range(4)]
-    sp += [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS[4:]]
-    got = token_ids(llm.generate(prompts, sp, use_tqdm=False))
+    got = [(list(o.outputs[0].token_ids), logprob_summary(o.outputs[0].logprobs))
+           for o in llm.generate(prompts, mixed_params(), use_tqdm=False)]
     m = spec_metrics(llm)
     del llm
     gc.collect()
-    assert got[:4] == baseline["sampled"]
-    assert_identical(baseline["batch"][4:], got[4:])
+    for i, (ref, out) in enumerate(zip(baseline["mixed"], got)):
+        assert ref[0] == out[0], f"request {i}: {first_difference(ref[0], out[0])}"
+        assert ref[1] == out[1], f"request {i}: logprobs differ"
+    assert baseline["mixed"][0][1] is not None and baseline["mixed"][4][1] is not None
     assert m["accepted"] > 0, m
 
 
