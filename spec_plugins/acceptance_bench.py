@@ -58,7 +58,7 @@ def run(args) -> dict:
     runs = {(h, s): {"tokens": 0, "seconds": 0.0, "accept": [], "lossless": True, "mismatch": [],
                      "timer": {"seconds": {}, "calls": {}}} for h in args.heads for s in shapes}
     base = {"tokens": 0, "seconds": 0.0, "t1_seconds": 0.0, "t1_calls": 0}
-    vocab_sets = {h: set(d.draft_to_target.tolist()) for h, d in decoders.items()}
+    vocab_sets = {h: set(d.head.draft_to_target().tolist()) for h, d in decoders.items()}
     covered = {h: 0 for h in args.heads}
     t_start = time.time()
     for pi, p in enumerate(prompts):

@@ -361,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine logs drown the progress lines
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines: one per configuration
     for name in ("num_prompts", "max_tokens", "concurrency"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             print(f"spec-plugins: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

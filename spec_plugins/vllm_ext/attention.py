@@ -132,8 +132,11 @@ def overwrite_tree_rows(query, output, k_view, v_view, block_table, num_heads: i
     for nodes, (req_idx, q_starts, ctx, mask) in trees.groups.items():
         rows = q_starts[:, None] + torch.arange(nodes, device=q_starts.device)  # [B_T, T]
         q = q_all[rows]  # [B_T, T, Hq, D]
-        res = stk.tree_attention(q, k_view, v_view, block_table[req_idx], ctx, mask, trees.mode,
-                                 scale=scale, impl=impl)
+        tables = block_table[req_idx]
+        if impl == "torch":  # the reference gathers every block a row addresses: pass only the used ones
+            used = (int(ctx.max()) + nodes + k_view.shape[1] - 1) // k_view.shape[1]
+            tables = tables[:, :used]
+        res = stk.tree_attention(q, k_view, v_view, tables, ctx, mask, trees.mode, scale=scale, impl=impl)
         out[rows.flatten()] = res.reshape(-1, num_heads, head_size).to(out.dtype)
 
 

@@ -186,3 +186,27 @@ def test_cpu_kv_views_read_what_vllm_wrote(dtype):
     paged.scatter(torch.tensor([1, 2]), key[:2] * 2, value[:2] * 2)
     k, v = paged.gather(__import__("numpy").array([0, 1, 2]), 3)  # positions 0, 1, 2 in block 0
     assert torch.equal(k[1:], key[:2] * 2) and torch.equal(v[0], value[0])
+
+
+# ------------------------------------------------------------ head vs target
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"hidden_size": 64}, "hidden_size 576 != target hidden_size 64"),
+    ({"vocab_size": 1000}, "maps draft tokens to target id"),
+    ({"num_hidden_layers": 10}, "reads aux layers \\[15, 27\\]"),
+])
+def test_head_that_does_not_fit_the_target_is_refused(change, needle):
+    from types import SimpleNamespace
+
+    from spec_plugins.heads import EagleHead
+    from spec_plugins.vllm_ext.proposer import check_head_fits_target
+
+    head = EagleHead.load(head_path("eagle3"))
+    target = SimpleNamespace(**{"hidden_size": 576, "vocab_size": 49152, "num_hidden_layers": 30, **change})
+    check_head_fits_target(head, SimpleNamespace(hidden_size=576, vocab_size=49152, num_hidden_layers=30),
+                           "eagle3", head_path("eagle3"))  # the real target fits
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        check_head_fits_target(head, target, "eagle3", head_path("eagle3"))
+    with pytest.raises(tc.TreeConfigError, match="is an eagle3 head but speculative method is 'eagle'"):
+        check_head_fits_target(head, target, "eagle", head_path("eagle3"))

@@ -224,12 +224,16 @@ def test_prefix_caching(prompts, baseline):
 
 
 def mixed_params():
-    """Sampled requests (two with logprobs), a greedy one with logprobs, one with a
-    repetition penalty (these are not speculated), and plain greedy ones (speculated)."""
+    """Sampled requests (two with logprobs), a structured-output one (regex), a greedy
+    one with logprobs, one with a repetition penalty (these are not speculated), and
+    plain greedy ones (speculated)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     sp = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24, logprobs=2 if i < 2 else None)
-          for i in range(4)]
+          for i in range(3)]
+    sp.append(SamplingParams(temperature=0.0, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(regex=r"(The|A) [a-z ]{5,40}\.")))
     sp.append(SamplingParams(temperature=0.0, max_tokens=20, logprobs=3))
     sp.append(SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3))
     sp += [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS[6:]]
@@ -243,7 +247,7 @@ def logprob_summary(logprobs):
 
 
 def test_sampling_logprobs_and_penalties_mixed_with_trees(prompts, baseline):
-    """Requests the tree does not speculate (temperature > 0, logprobs, penalties)
+    """Requests the tree does not speculate (temperature > 0, structured output, logprobs, penalties)
     share batches with speculated greedy ones: they get exactly what the engine
     gives without speculation (same seeds -> same samples: the right
     distribution; same logprobs), and the greedy ones stay identical."""
