@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     print(f"[train] {len(train)} train / {len(val)} held-out sequences, "
           f"{sum(len(r['ids']) for r in train)} train tokens, {int((train_counts > 0).sum())} distinct answer tokens",
           flush=True)
-    print(f"[train] draft-vocab coverage of the held-out answers' tokens: "
+    print("[train] draft-vocab coverage of the held-out answers' tokens: "
           + ", ".join(f"{k}: {v:.4f}" for k, v in coverage.items()), flush=True)
     print(f"[train] chosen draft vocab {size}: held-out coverage {val_cov:.4f}", flush=True)
 

@@ -142,17 +142,30 @@ def overwrite_tree_rows(query, output, k_view, v_view, block_table, num_heads: i
 
 # ------------------------------------------------------------------------ CPU
 
-class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+class TreeRowsMixin:
+    """Put before an engine attention impl: its kernel over the batch, then the
+    published trees' rows recomputed (``overwrite_tree_rows``)."""
+
+    tree_impl = "torch"  # spec_tree_kernels.tree_attention implementation
+
+    def kv_views(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                  output_block_scale)
         if attn_metadata is None or _published is None or self.attn_type != AttentionType.DECODER:
             return output
-        k_view, v_view = cpu_kv_views(kv_cache, layer.isa)
+        k_view, v_view = self.kv_views(layer, kv_cache)
         overwrite_tree_rows(query, output, k_view, v_view, attn_metadata.block_table, self.num_heads,
-                            self.head_size, self.scale, impl="torch")
+                            self.head_size, self.scale, impl=self.tree_impl)
         return output
+
+
+class TreeCPUAttentionImpl(TreeRowsMixin, CPUAttentionBackendImpl):
+    def kv_views(self, layer, kv_cache):
+        return cpu_kv_views(kv_cache, layer.isa)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

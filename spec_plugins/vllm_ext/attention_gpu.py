@@ -10,20 +10,14 @@ from __future__ import annotations
 
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
-from .attention import flash_kv_views, overwrite_tree_rows, published_verify_trees
+from .attention import TreeRowsMixin, flash_kv_views
 
 
-class TreeFlashAttentionImpl(FlashAttentionImpl):
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                 output_block_scale)
-        if attn_metadata is None or published_verify_trees() is None:
-            return output
-        k_view, v_view = flash_kv_views(kv_cache)
-        overwrite_tree_rows(query, output, k_view, v_view, attn_metadata.block_table, self.num_heads,
-                            self.head_size, self.scale, impl="triton")
-        return output
+class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
+    tree_impl = "triton"
+
+    def kv_views(self, layer, kv_cache):
+        return flash_kv_views(kv_cache)
 
 
 class TreeFlashAttentionBackend(FlashAttentionBackend):

@@ -128,6 +128,7 @@ class TreeRunnerMixin:
         self._step_groups: dict[int, TreeGroup] = {}
         self._accepted_paths: dict[int, torch.Tensor] = {}  # batch row -> accepted node path (root first)
         self._head_kv: PagedHeadKV | None = None
+        self._step_forward = 0.0  # seconds of the last execute_model (target forward)
 
     # ------------------------------------------------------------------ setup
     def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +141,7 @@ class TreeRunnerMixin:
 
     def initialize_kv_cache(self, *args, **kwargs):
         super().initialize_kv_cache(*args, **kwargs)
+        self._head_kv = None  # views over the new cache tensors are taken on first use
         draft_layers = set(self.drafter._draft_attn_layer_names)
         target_layers = [n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names
                          if n not in draft_layers]
@@ -183,7 +185,7 @@ class TreeRunnerMixin:
     def execute_model(self, scheduler_output, *args, **kwargs):
         t0 = time.perf_counter()
         out = super().execute_model(scheduler_output, *args, **kwargs)
-        self._step_t0, self._step_forward = t0, time.perf_counter() - t0
+        self._step_forward = time.perf_counter() - t0
         return out
 
     def sample_tokens(self, *args, **kwargs):
@@ -192,7 +194,7 @@ class TreeRunnerMixin:
         draft_before = self.tree_stats.draft_seconds
         out = super().sample_tokens(*args, **kwargs)
         if had_trees:
-            self.tree_stats.verify_seconds += (getattr(self, "_step_forward", 0.0) + time.perf_counter() - t0
+            self.tree_stats.verify_seconds += (self._step_forward + time.perf_counter() - t0
                                                - (self.tree_stats.draft_seconds - draft_before))
         return out
 

@@ -5,7 +5,6 @@ attention cache op). Needs .venv-vllm; no model forward except where noted.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import pytest
@@ -210,3 +209,58 @@ def test_head_that_does_not_fit_the_target_is_refused(change, needle):
         check_head_fits_target(head, target, "eagle3", head_path("eagle3"))
     with pytest.raises(tc.TreeConfigError, match="is an eagle3 head but speculative method is 'eagle'"):
         check_head_fits_target(head, target, "eagle", head_path("eagle3"))
+
+
+@pytest.mark.parametrize("layout", ["cpu_vec_fp32", "flash"])
+def test_overwrite_tree_rows_matches_brute_force(layout):
+    """The adapter around tree_attention: rows of each published tree are
+    replaced by prefix + ancestors attention, other rows are left alone, for the
+    CPU cache layout and FlashAttention's (torch reference on CPU tensors)."""
+    import numpy as np
+
+    import spec_tree_kernels as stk
+    from spec_plugins.vllm_ext import attention as A
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, bs, nb = 4, 2, 32, 32, 12
+    cache = torch.randn(nb, kv_heads, bs, 2 * dim, generator=gen)
+    if layout == "flash":
+        k_view, v_view = A.flash_kv_views(cache)
+    else:
+        k_view, v_view = A.cpu_kv_views(cache, "vec")
+    # batch rows: 0 tree of 3 nodes, 1 plain decode row, 2 tree of 5 nodes, 3 tree of 3 nodes
+    parents = {0: [-1, 0, 0], 2: [-1, 0, 1, 1, 0], 3: [-1, 0, 1]}
+    ctx = {0: 40, 1: 7, 2: 70, 3: 5}
+    q_len = {0: 3, 1: 1, 2: 5, 3: 3}
+    q_start = np.cumsum([0] + [q_len[r] for r in range(4)])
+    block_table = torch.stack([torch.randperm(nb, generator=gen)[:6] for _ in range(4)]).to(torch.int32)
+    query = torch.randn(int(q_start[-1]), heads, dim, generator=gen)
+    output = torch.full((int(q_start[-1]), heads * dim), 7.0)
+    groups = {}
+    for nodes in (3, 5):
+        rows = [r for r in parents if len(parents[r]) == nodes]
+        tree = stk.tree_from_parents(torch.tensor([parents[r] for r in rows]), torch.tensor([ctx[r] for r in rows]),
+                                     "ANCESTOR_BITMASK")
+        groups[nodes] = (torch.tensor(rows), torch.tensor([int(q_start[r]) for r in rows]),
+                         torch.tensor([ctx[r] for r in rows]), tree.tree_mask)
+    A.publish_verify_trees(A.VerifyTrees(mode="ANCESTOR_BITMASK", groups=groups))
+    try:
+        A.overwrite_tree_rows(query, output, k_view, v_view, block_table, heads, dim, dim ** -0.5, impl="torch")
+    finally:
+        A.publish_verify_trees(None)
+    out = output.view(-1, heads, dim)
+    assert torch.equal(out[int(q_start[1])], torch.full((heads, dim), 7.0))  # the plain row is untouched
+    for r, par in parents.items():
+        for i in range(len(par)):
+            anc, j = [], i
+            while j >= 0:
+                anc.append(j)
+                j = par[j]
+            positions = list(range(ctx[r])) + [ctx[r] + a for a in sorted(anc)]
+            pos = torch.tensor(positions)
+            blocks = block_table[r].long()[pos // bs]
+            k, v = k_view[blocks, pos % bs], v_view[blocks, pos % bs]  # [L, Hkv, D]
+            qi = query[int(q_start[r]) + i].view(kv_heads, heads // kv_heads, dim)
+            w = torch.softmax(torch.einsum("hgd,lhd->hgl", qi, k) * dim ** -0.5, dim=-1)
+            want = torch.einsum("hgl,lhd->hgd", w, v).reshape(heads, dim)
+            torch.testing.assert_close(out[int(q_start[r]) + i], want, rtol=1e-4, atol=1e-5)

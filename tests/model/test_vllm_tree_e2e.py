@@ -53,8 +53,20 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def spec_metrics(llm) -> dict:
-    m = llm.get_metrics()
+def run_engine(kwargs: dict, *jobs):
+    """Build an engine, run the (prompts, params) jobs in order, free it.
+    Returns ([RequestOutput list per job], raw metrics, spec_metrics)."""
+    from vllm import LLM
+
+    llm = LLM(**kwargs)
+    outs = [llm.generate(prompts, params, use_tqdm=False) for prompts, params in jobs]
+    raw = llm.get_metrics()
+    del llm
+    gc.collect()
+    return outs, raw, spec_metrics(raw)
+
+
+def spec_metrics(m) -> dict:
     return {
         "drafts": _metric(m, "vllm:spec_decode_num_drafts") or 0,
         "draft_tokens": _metric(m, "vllm:spec_decode_num_draft_tokens") or 0,
@@ -145,17 +157,13 @@ SHAPES = [
 
 @pytest.mark.parametrize("kind,shape", SHAPES, ids=[f"{k}-{s[0]}-{s[1]}-{s[2]}" for k, s in SHAPES])
 def test_tree_greedy_identical_batch_and_single(kind, shape, prompts, baseline):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(**tree_kwargs(kind, shape))
     sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
-    got = token_ids(llm.generate(prompts, sp, use_tqdm=False))  # 10 concurrent requests
-    assert_identical(baseline["batch"], got)
-    single = token_ids(llm.generate([prompts[3]], sp[3], use_tqdm=False))  # batch 1
-    assert_identical(baseline["batch"][3:4], single)
-    m = spec_metrics(llm)
-    del llm
-    gc.collect()
+    # 10 concurrent requests, then batch 1
+    (batch, single), _, m = run_engine(tree_kwargs(kind, shape), (prompts, sp), ([prompts[3]], sp[3]))
+    assert_identical(baseline["batch"], token_ids(batch))
+    assert_identical(baseline["batch"][3:4], token_ids(single))
     steps, topk, nodes = shape
     assert m["accepted"] > 0, m
     assert 0 < m["draft_tokens"] <= m["drafts"] * (nodes - 1), m  # the scheduler may trim a tree to a BFS prefix
@@ -166,17 +174,14 @@ def test_tree_greedy_identical_batch_and_single(kind, shape, prompts, baseline):
 
 
 def test_stop_string_eos_and_max_model_len(prompts, long_prompt, tokenizer, baseline):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8)))
-    stopped = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=48,
-                                                       stop=[baseline["stop_string"]]), use_tqdm=False)[0].outputs[0]
-    eos = llm.generate([apply_chat_template(tokenizer, EOS_PROMPT)], SamplingParams(temperature=0.0, max_tokens=200),
-                       use_tqdm=False)[0].outputs[0]
-    longo = llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)[0].outputs[0]
-    m = spec_metrics(llm)
-    del llm
-    gc.collect()
+    outs, _, m = run_engine(
+        tree_kwargs("eagle3", (5, 4, 8)),
+        ([prompts[0]], SamplingParams(temperature=0.0, max_tokens=48, stop=[baseline["stop_string"]])),
+        ([apply_chat_template(tokenizer, EOS_PROMPT)], SamplingParams(temperature=0.0, max_tokens=200)),
+        ([long_prompt], SamplingParams(temperature=0.0, max_tokens=200)))
+    stopped, eos, longo = (o[0].outputs[0] for o in outs)
     assert (list(stopped.token_ids), stopped.text, stopped.finish_reason) == baseline["stop"]
     assert stopped.finish_reason == "stop" and baseline["stop_string"] not in stopped.text
     assert (list(eos.token_ids), eos.finish_reason) == baseline["eos"]
@@ -185,20 +190,16 @@ def test_stop_string_eos_and_max_model_len(prompts, long_prompt, tokenizer, base
 
 
 def test_preemption_with_tiny_kv_cache(prompts, baseline):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     # 544 tokens of KV (46 KiB per token: 31 layers x K,V x 3 heads x 64 x fp32) for 10
     # requests that each grow by 96 tokens: running requests outgrow the cache and the
     # scheduler must preempt (and later recompute) some. max_model_len 512 only lets the
     # engine start with so little KV; no request comes near it.
-    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8), kv_cache_memory_bytes=26 << 20, block_size=32,
-                            max_model_len=512))
-    got = token_ids(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=PREEMPT_TOKENS),
-                                 use_tqdm=False))
-    metrics = llm.get_metrics()
-    m = spec_metrics(llm)
-    del llm
-    gc.collect()
+    (got,), metrics, m = run_engine(
+        tree_kwargs("eagle3", (5, 4, 8), kv_cache_memory_bytes=26 << 20, block_size=32, max_model_len=512),
+        (prompts, SamplingParams(temperature=0.0, max_tokens=PREEMPT_TOKENS)))
+    got = token_ids(got)
     preemptions = _metric(metrics, "vllm:num_preemptions")
     assert preemptions and preemptions > 0, "the KV cache was not small enough to force preemption"
     assert_identical(baseline["preempt"], got)
@@ -206,16 +207,13 @@ def test_preemption_with_tiny_kv_cache(prompts, baseline):
 
 
 def test_prefix_caching(prompts, baseline):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8), enable_prefix_caching=True, block_size=32))
     sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
-    first = token_ids(llm.generate(prompts, sp, use_tqdm=False))
-    again = token_ids(llm.generate(prompts, sp, use_tqdm=False))  # served from the prefix cache
-    metrics = llm.get_metrics()
-    m = spec_metrics(llm)
-    del llm
-    gc.collect()
+    # the second round is served from the prefix cache
+    (first, again), metrics, m = run_engine(
+        tree_kwargs("eagle3", (5, 4, 8), enable_prefix_caching=True, block_size=32), (prompts, sp), (prompts, sp))
+    first, again = token_ids(first), token_ids(again)
     hits = _metric(metrics, "vllm:prefix_cache_hits")
     assert hits and hits > 0, "no prefix cache hits: the test did not exercise prefix caching"
     assert_identical(baseline["batch"], first)
@@ -251,14 +249,8 @@ def test_sampling_logprobs_and_penalties_mixed_with_trees(prompts, baseline):
     share batches with speculated greedy ones: they get exactly what the engine
     gives without speculation (same seeds -> same samples: the right
     distribution; same logprobs), and the greedy ones stay identical."""
-    from vllm import LLM
-
-    llm = LLM(**tree_kwargs("eagle3", (5, 4, 8)))
-    got = [(list(o.outputs[0].token_ids), logprob_summary(o.outputs[0].logprobs))
-           for o in llm.generate(prompts, mixed_params(), use_tqdm=False)]
-    m = spec_metrics(llm)
-    del llm
-    gc.collect()
+    (outs,), _, m = run_engine(tree_kwargs("eagle3", (5, 4, 8)), (prompts, mixed_params()))
+    got = [(list(o.outputs[0].token_ids), logprob_summary(o.outputs[0].logprobs)) for o in outs]
     for i, (ref, out) in enumerate(zip(baseline["mixed"], got)):
         assert ref[0] == out[0], f"request {i}: {first_difference(ref[0], out[0])}"
         assert ref[1] == out[1], f"request {i}: logprobs differ"
@@ -269,18 +261,16 @@ def test_sampling_logprobs_and_penalties_mixed_with_trees(prompts, baseline):
 def test_vllm_metrics_equal_reference_decoder(tokenizer):
     """Per-depth acceptance in vLLM's metrics == the engine-free reference decoder's."""
     from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from spec_plugins.heads import load_head
     from spec_plugins.reference_decoder import TreeDecoder
 
     shape, max_tokens = (5, 4, 8), 48
     texts = [apply_chat_template(tokenizer, p.text) for p in eval_prompts(num_humaneval=1, num_chat=2)]
-    llm = LLM(**tree_kwargs("eagle3", shape))
-    outs = token_ids(llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False))
-    m = spec_metrics(llm)
-    del llm
-    gc.collect()
+    (outs,), _, m = run_engine(tree_kwargs("eagle3", shape), (texts, SamplingParams(temperature=0.0,
+                                                                                     max_tokens=max_tokens)))
+    outs = token_ids(outs)
     target = AutoModelForCausalLM.from_pretrained(ensure_converted(), dtype=torch.float32,
                                                   attn_implementation="sdpa").eval()
     dec = TreeDecoder(target, load_head("eagle3", target))
