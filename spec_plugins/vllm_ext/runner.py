@@ -74,6 +74,7 @@ class TreeStats:
     verify_steps: int = 0  # steps with at least one tree
     chain_fallbacks: int = 0  # drafts the runner did not draft itself, verified as a chain
     not_speculated: int = 0  # requests left without a tree (sampling, structured output, mid-prefill)
+    prefill_chunks: int = 0  # head extends over a prompt chunk that is not the prompt's last
     verify_seconds: float = 0.0  # target forward + sampling of steps with trees (drafting excluded)
     draft_seconds: float = 0.0  # extend + tree drafting, all requests of all steps
     draft_calls: int = 0  # steps that drafted
@@ -392,6 +393,7 @@ class TreeRunnerMixin:
                 m = n
                 token_rows = q0 + torch.arange(n)
                 last = int(sampled[row, 0]) if not discard[row] else int(token_ids[row, start + n])
+                self.tree_stats.prefill_chunks += int(discard[row])
                 next_tokens = torch.tensor([*token_ids[row, start + 1 : start + n].tolist(), last], dtype=torch.int64)
             inp = ExtendInput(
                 next_tokens=next_tokens.to(self.device),

@@ -61,9 +61,12 @@ def run_engine(kwargs: dict, *jobs):
     llm = LLM(**kwargs)
     outs = [llm.generate(prompts, params, use_tqdm=False) for prompts, params in jobs]
     raw = llm.get_metrics()
+    spec = spec_metrics(raw)
+    if "additional_config" in kwargs:
+        spec["runner"] = llm.collective_rpc("spec_tree_stats")[0]
     del llm
     gc.collect()
-    return outs, raw, spec_metrics(raw)
+    return outs, raw, spec
 
 
 def spec_metrics(m) -> dict:
@@ -203,6 +206,19 @@ def test_preemption_with_tiny_kv_cache(prompts, baseline):
     preemptions = _metric(metrics, "vllm:num_preemptions")
     assert preemptions and preemptions > 0, "the KV cache was not small enough to force preemption"
     assert_identical(baseline["preempt"], got)
+    assert m["accepted"] > 0, m
+
+
+def test_chunked_prefill(prompts, baseline):
+    """Prompts longer than the step budget arrive in chunks: the head's KV is
+    extended chunk by chunk (the token after a chunk is the next prompt token)."""
+    from vllm import SamplingParams
+
+    sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
+    (got,), _, m = run_engine(tree_kwargs("eagle3", (5, 4, 8), enable_chunked_prefill=True,
+                                          max_num_batched_tokens=64, max_num_seqs=8), (prompts, sp))
+    assert m["runner"]["prefill_chunks"] > 0, "no prompt was chunked"
+    assert_identical(baseline["batch"], token_ids(got))
     assert m["accepted"] > 0, m
 
 
