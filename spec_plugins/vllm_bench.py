@@ -176,13 +176,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for kind, marker in (("eagle3", "o"), ("eagle1", "s")):
-        pts = sorted((r["shape"][2], r["tau"], r["speedup"]) for r in rows if r.get("shape") and r["config"].startswith(kind))
+        pts = sorted((r["shape"][2], r["tau"], r["speedup"]) for r in rows
+                     if r.get("shape") and r["config"].startswith(kind))
         if not pts:
             continue
         t, tau, sp = zip(*pts)
         axes[0].plot(t, tau, marker=marker, label=kind)
         axes[1].plot(t, sp, marker=marker, label=kind)
-    axes[0].set(xlabel="draft tokens T (incl. root)", ylabel="tau (tokens / verify step)", xscale="log", title="tau vs T")
+    axes[0].set(xlabel="draft tokens T (incl. root)", ylabel="tau (tokens / verify step)", xscale="log",
+                title="tau vs T")
     axes[1].axhline(1.0, color="gray", lw=0.8)
     axes[1].set(xlabel="draft tokens T (incl. root)", ylabel="tokens/s vs no speculation", xscale="log",
                 title="vLLM-CPU speedup vs T")

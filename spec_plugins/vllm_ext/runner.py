@@ -234,13 +234,16 @@ class TreeRunnerMixin:
         groups = {}
         for T, items in by_size.items():
             rows, q0s, ctxs, cands, parents = (list(x) for x in zip(*items))
-            parent_t = torch.tensor(parents, dtype=torch.int64, device=self.device)
-            ctx_t = torch.tensor(ctxs, dtype=torch.int64, device=self.device)
-            build = stk.tree_from_parents(parent_t, ctx_t, self.tree_settings.mask_mode)
-            groups[T] = TreeGroup(rows=rows, q_starts=torch.tensor(q0s, dtype=torch.int64, device=self.device),
-                                  context_lens=ctx_t, candidates=torch.tensor(cands, dtype=torch.int64,
-                                                                              device=self.device),
-                                  build=build, max_depth=int((build.positions - ctx_t[:, None]).max()))
+            # Built on the host (a few hundred bytes) and copied once: no device syncs per step.
+            ctx_t = torch.tensor(ctxs, dtype=torch.int64)
+            build = stk.tree_from_parents(torch.tensor(parents, dtype=torch.int64), ctx_t,
+                                          self.tree_settings.mask_mode)
+            max_depth = int((build.positions - ctx_t[:, None]).max())
+            dev = self.device
+            build = stk.TreeBuild(*(t.to(dev, non_blocking=True) for t in build))
+            groups[T] = TreeGroup(rows=rows, q_starts=torch.tensor(q0s, dtype=torch.int64).to(dev),
+                                  context_lens=ctx_t.to(dev), candidates=torch.tensor(cands, dtype=torch.int64).to(dev),
+                                  build=build, max_depth=max_depth)
         return groups
 
     def _sample(self, logits, spec_decode_metadata):
