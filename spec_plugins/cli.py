@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -298,7 +299,6 @@ def write_junit(path: Path, cases: list) -> None:
 def check_sglang_kernels(args) -> int:
     """SGLang cannot serve on these CPUs: check our ops against SGLang's own
     tree kernels (its Triton reference under TRITON_INTERPRET=1) on random pools."""
-    import os
     import random
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -361,8 +361,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import os
-
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine logs drown the progress lines
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines: one per configuration
     for name in ("num_prompts", "max_tokens", "concurrency"):
