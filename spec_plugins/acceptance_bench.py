@@ -27,15 +27,11 @@ import sys
 import time
 from pathlib import Path
 
+from spec_plugins.cli import parse_shape
+
 CHAINS = [(3, 1, 4), (5, 1, 6), (7, 1, 8)]
 TREES = [(5, 4, 8), (5, 4, 16), (6, 8, 32), (8, 8, 64)]
 
-
-def parse_shape(s: str) -> tuple:
-    a = tuple(int(x) for x in s.split(","))
-    if len(a) != 3:
-        raise argparse.ArgumentTypeError("shape is num_steps,topk,num_draft_tokens")
-    return a
 
 
 def run(args) -> dict:

