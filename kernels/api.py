@@ -401,6 +401,24 @@ def verify_tree_greedy(
     return reference.verify_tree_greedy(candidates, retrieve_next_token, retrieve_next_sibling, target_predict, num_steps)
 
 
+def distinct_views(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``caches`` without repeats of one view (same address, shape, strides, dtype).
+
+    The move is not idempotent when a path's sources and destinations overlap
+    (path [0, 2, 5]: a second pass reads node 5's row from node 2's slot and
+    writes it into depth 1), and one launch over a view listed twice races.
+    Engines can list one storage twice (vLLM's KV-sharing layers join their
+    target layer's cache group with the same tensor), so repeats are dropped.
+    """
+    seen, unique = set(), []
+    for cache in caches:
+        key = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype)
+        if key not in seen:
+            seen.add(key)
+            unique.append(cache)
+    return unique
+
+
 def move_accepted_kv(
     caches: Sequence[torch.Tensor],
     verify_slots: torch.Tensor,
@@ -420,7 +438,8 @@ def move_accepted_kv(
     accept_index: [B, D + 1] int32/int64 node indices (root first, -1 padded).
     accept_length:[B] int32/int64 accepted draft nodes.
     In place: the slot of depth d receives node accept_index[d]'s row, for
-    d <= accept_length; safe although sources and destinations overlap.
+    d <= accept_length; safe although sources and destinations overlap. A view
+    listed more than once is moved once (``distinct_views``).
     """
     _check_tensor("verify_slots", verify_slots, 2, (torch.int64,))
     device = verify_slots.device
@@ -439,6 +458,7 @@ def move_accepted_kv(
             raise ValueError(f"caches[{i}] is on {cache.device}, verify_slots on {device}")
     if not caches or verify_slots.shape[0] == 0:
         return
+    caches = distinct_views(caches)
     which = resolve_impl("move_kv", impl, device)
     if which == "triton":
         from . import triton_ops

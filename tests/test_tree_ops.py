@@ -264,6 +264,28 @@ def slot_rows(cache):
     return [cache[s // block_size, s % block_size].tolist() for s in range(blocks * block_size)]
 
 
+def one_storage_listed_twice(layout="flash", device="cpu"):
+    """K and V halves of one layer's storage, K listed twice (as vLLM lists a
+    KV-sharing layer's cache next to its target's). Path [0, 2, 5] overlaps
+    sources and destinations, so a second pass over K would corrupt it."""
+    rng = random.Random(0)
+    (kv,), slots = paged_caches(rng, batch=1, nodes=6, block_size=4, layers=1, head_dim=6, layout=layout)
+    expected = oracle.move_rows(slot_rows(kv), slots[0].tolist(), [0, 2, 5])
+    kv, slots = kv.to(device), slots.to(device)
+    k, v = kv[..., :3], kv[..., 3:]
+    index = torch.tensor([[0, 2, 5]], dtype=torch.int64, device=device)
+    length = torch.tensor([2], dtype=torch.int64, device=device)
+    return kv, [k, v, k.view(k.shape)], slots, index, length, expected  # .view: another object, same memory
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+def test_move_kv_moves_a_repeated_view_once(layout):
+    kv, caches, slots, index, length, expected = one_storage_listed_twice(layout)
+    assert [id(c) for c in K.api.distinct_views(caches)] == [id(c) for c in caches[:2]]  # V shares the storage: kept
+    K.move_accepted_kv(caches, slots, index, length, impl="torch")
+    assert slot_rows(kv) == expected
+
+
 # ----------------------------------------------------------------- bad input
 
 

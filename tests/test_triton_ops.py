@@ -17,7 +17,7 @@ import spec_tree_kernels as K
 from kernel_device import DEVICE
 from pools import FLAVORS, random_batch
 from spec_tree_kernels import TreeMaskMode as M
-from test_tree_ops import paged_caches, random_tokens_with_real_acceptance
+from test_tree_ops import one_storage_listed_twice, paged_caches, random_tokens_with_real_acceptance, slot_rows
 
 IMPLS = ["triton"] + (["cuda"] if DEVICE == "cuda" and K.api.cuda_usable(torch.device("cuda")) else [])
 
@@ -134,3 +134,11 @@ def test_move_kv_equals_reference(impl, layout, dtype, config, block_size):
     K.move_accepted_kv(caches, slots.to(DEVICE), result.accept_index, result.accept_length, impl=impl)
     for a, b in zip(caches, expected):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_move_kv_moves_a_repeated_view_once(impl):
+    """One launch over a view listed twice would race (and a second pass is wrong)."""
+    kv, caches, slots, index, length, expected = one_storage_listed_twice(device=DEVICE)
+    K.move_accepted_kv(caches, slots, index, length, impl=impl)
+    assert slot_rows(kv) == expected
