@@ -12,6 +12,8 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``verify_tree_greedy`` greedy tree walk: accepted path, length, emitted tokens.
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
 * ``mask_bytes_per_request`` memory of each mask mode.
+* ``prepare(device)``    engine startup: build/load the CUDA kernels now (Triton if
+                         they cannot be built; logged), return the impl per op.
 * ``tree_attention``     verify attention over a paged KV cache under a compact
                          tree mask (``attention.py``; imported on first use, so
                          TRITON_INTERPRET may be set after importing this package).
@@ -34,6 +36,7 @@ from .api import (
 )
 from .modes import TreeMaskMode, mask_bytes_per_request, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
+from .startup import prepare
 
 
 
@@ -56,6 +59,7 @@ __all__ = [
     "parent_list_width",
     "parse_mask_mode",
     "pool_size",
+    "prepare",
     "resolve_impl",
     "select_tree_nodes",
     "tree_attention",

@@ -6,8 +6,12 @@ inputs. Every op is one or two launches on the current CUDA stream with
 launch shapes fixed by the tensors' shapes: no host sync, CUDA-graph
 capturable.
 
-The kernels are built lazily, on the first call of ``available()`` or of an
-op, when torch sees a GPU and ``nvcc`` is found, and cached for the process:
+The kernels are built once per process when torch sees a GPU and ``nvcc`` is
+found: engines call ``ensure_built()`` (through ``spec_tree_kernels.prepare``)
+at worker startup; otherwise the first ``available()`` or op builds them. The
+compile runs in a child process under a timeout, behind a build lock that
+survives killed builds (``startup.py``); when it cannot build, ``available()``
+is False, the reason is logged, and ``impl="auto"`` uses Triton.
 
 * ``extension`` backend (preferred): ``csrc/tree_ops_binding.cpp`` +
   ``tree_ops.cu`` through ``torch.utils.cpp_extension.load`` (needs ninja);
@@ -19,8 +23,10 @@ Environment:
 * ``SPEC_TREE_KERNELS_CUDA_BACKEND`` = ``auto`` (default: extension, else
   ctypes) | ``extension`` | ``ctypes``;
 * ``SPEC_TREE_KERNELS_CUDA_JIT=0`` never builds (``available()`` is False);
-* ``SPEC_TREE_KERNELS_BUILD_DIR`` where builds go (default: torch's extension
-  cache for the extension, ``~/.cache/spec_tree_kernels`` for ctypes).
+* ``SPEC_TREE_KERNELS_BUILD_DIR`` where builds go (default
+  ``~/.cache/spec_tree_kernels``; the extension in its ``extension/``);
+* ``SPEC_TREE_KERNELS_BUILD_TIMEOUT`` seconds for the build, lock wait
+  included (default 600).
 
 ``available()`` never raises; ``load_error()`` says why it is False.
 """
@@ -29,17 +35,23 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from . import startup
 from .modes import TreeMaskMode, empty_tree_mask
 from .reference import TreeBuild, VerifyResult
+
+logger = logging.getLogger("spec_tree_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 _KERNEL_SOURCE = CSRC / "tree_ops.cu"
@@ -191,10 +203,7 @@ def _build_extension(nvcc: str) -> _ExtensionBackend:
             if (folder / "ninja").exists():
                 os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
                 break
-    build_dir = os.environ.get("SPEC_TREE_KERNELS_BUILD_DIR")
-    if build_dir:
-        build_dir = os.path.join(build_dir, "extension")
-        os.makedirs(build_dir, exist_ok=True)
+    build_dir = str(_extension_dir())
     module = cpp_extension.load(
         name="spec_tree_kernels_cuda",
         sources=[str(_BINDING_SOURCE), str(_KERNEL_SOURCE)],
@@ -205,6 +214,14 @@ def _build_extension(nvcc: str) -> _ExtensionBackend:
         verbose=os.environ.get("SPEC_TREE_KERNELS_VERBOSE_BUILD") == "1",
     )
     return _ExtensionBackend(module)
+
+
+def _extension_dir() -> Path:
+    """Where ``cpp_extension.load`` builds (ours, not torch's default, so the
+    stale-lock check knows where torch's lock file lives)."""
+    path = _cache_dir() / "extension"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _ninja_module():
@@ -256,45 +273,83 @@ def emulated_backend(out_dir: Path | None = None) -> _CtypesBackend:
     return _CtypesBackend(build_emulated_library(out_dir=out_dir), emulated=True)
 
 
-def _load():
-    """Build or load the backend once per process; record why not."""
+def _compile(nvcc: str, choice: str):
+    """Build (or reuse the cached build of) one backend in this process."""
+    errors = []
+    if choice in ("auto", "extension"):
+        try:
+            return _build_extension(nvcc)
+        except Exception as exc:  # no ninja, header trouble, compiler error
+            errors.append(f"extension: {type(exc).__name__}: {str(exc)[-2000:]}")
+    if choice in ("auto", "ctypes"):
+        try:
+            return _CtypesBackend(build_shared_library(nvcc, _device_arch_flags()))
+        except subprocess.CalledProcessError as exc:
+            errors.append(f"ctypes: nvcc failed: {exc.stderr[-2000:]}")
+        except Exception as exc:
+            errors.append(f"ctypes: {type(exc).__name__}: {exc}")
+    raise RuntimeError("; ".join(errors) or f"unknown SPEC_TREE_KERNELS_CUDA_BACKEND={choice!r}")
+
+
+def _why_not_buildable() -> str | None:
+    if os.environ.get("SPEC_TREE_KERNELS_CUDA_JIT", "1") == "0":
+        return "SPEC_TREE_KERNELS_CUDA_JIT=0"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if find_nvcc() is None:
+        return "nvcc not found (CUDA_HOME, PATH, /usr/local/cuda*)"
+    return None
+
+
+def _build_and_load(timeout: float):
+    """Compile in a child process (killable on timeout), under the build lock;
+    then load the finished build here (a cache hit: no compile in this process)."""
+    nvcc = find_nvcc()
+    choice = os.environ.get("SPEC_TREE_KERNELS_CUDA_BACKEND", "auto")
+    deadline = time.monotonic() + timeout
+    with startup.BuildLock(_cache_dir() / "build.lock", timeout):
+        if startup.remove_if_exists(_extension_dir() / "lock"):
+            logger.warning("spec_tree_kernels: removed torch's stale build lock in %s (a killed build)", _extension_dir())
+        built = startup.run_build_child(["--compile", choice], max(deadline - time.monotonic(), 1.0))
+        return _compile(nvcc, built)
+
+
+def _load(timeout: float | None = None):
+    """Build or load the backend once per process; record and log why not."""
     with _lock:
         if _state["loaded"]:
             return _state["backend"]
         _state["loaded"] = True
-        try:
-            if os.environ.get("SPEC_TREE_KERNELS_CUDA_JIT", "1") == "0":
-                raise RuntimeError("SPEC_TREE_KERNELS_CUDA_JIT=0")
-            if not torch.cuda.is_available():
-                raise RuntimeError("torch sees no CUDA device")
-            nvcc = find_nvcc()
-            if nvcc is None:
-                raise RuntimeError("nvcc not found (CUDA_HOME, PATH, /usr/local/cuda*)")
-            choice = os.environ.get("SPEC_TREE_KERNELS_CUDA_BACKEND", "auto")
-            errors = []
-            if choice in ("auto", "extension"):
-                try:
-                    _state["backend"] = _build_extension(nvcc)
-                except Exception as exc:  # no ninja, header trouble, compiler error
-                    errors.append(f"extension: {type(exc).__name__}: {str(exc)[-2000:]}")
-            if _state["backend"] is None and choice in ("auto", "ctypes"):
-                try:
-                    _state["backend"] = _CtypesBackend(build_shared_library(nvcc, _device_arch_flags()))
-                except subprocess.CalledProcessError as exc:
-                    errors.append(f"ctypes: nvcc failed: {exc.stderr[-2000:]}")
-                except Exception as exc:
-                    errors.append(f"ctypes: {type(exc).__name__}: {exc}")
-            if _state["backend"] is None:
-                raise RuntimeError("; ".join(errors) or f"unknown SPEC_TREE_KERNELS_CUDA_BACKEND={choice!r}")
-        except Exception as exc:
-            _state["error"] = str(exc)
+        reason = _why_not_buildable()
+        if reason is None:
+            started = time.monotonic()
+            try:
+                _state["backend"] = _build_and_load(startup.build_timeout(timeout))
+                logger.info("spec_tree_kernels: CUDA kernels ready (%s backend, %.1fs)", _state["backend"].name,
+                            time.monotonic() - started)
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+        if reason is not None:
+            _state["error"] = reason
+            log = logger.info if reason.startswith("SPEC_TREE_KERNELS_CUDA_JIT") else logger.warning
+            log("spec_tree_kernels: CUDA kernels unavailable (%s); impl='auto' uses Triton for build/verify/move_kv",
+                reason)
         return _state["backend"]
 
 
-def available() -> bool:
+def ensure_built(timeout: float | None = None) -> bool:
+    """Build or load the CUDA kernels now (call at engine startup, not in the
+    serving loop). True when they are usable; never raises: on False the
+    reason is logged and in ``load_error()``, and ``impl="auto"`` uses Triton.
+    ``timeout`` (seconds, lock wait included) defaults to
+    ``$SPEC_TREE_KERNELS_BUILD_TIMEOUT`` or 600."""
+    return available(timeout)
+
+
+def available(timeout: float | None = None) -> bool:
     """True when the CUDA kernels are built (building them on first call)."""
     try:
-        return _load() is not None
+        return _load(timeout) is not None
     except Exception as exc:  # never raise: callers fall back to Triton / torch
         _state["error"] = str(exc)
         return False
@@ -411,3 +466,8 @@ def move_accepted_kv(
         return
     be.move_kv(caches, verify_slots.contiguous(), accept_index.contiguous(), accept_length.contiguous())
 
+
+if __name__ == "__main__":  # the build child of ``_build_and_load``: compile, print the backend built
+    if sys.argv[1:2] != ["--compile"] or len(sys.argv) != 3:
+        raise SystemExit("usage: python -m spec_tree_kernels.cuda_ops --compile auto|extension|ctypes")
+    print(_compile(find_nvcc() or "nvcc", sys.argv[2]).name)

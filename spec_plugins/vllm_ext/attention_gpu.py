@@ -1,9 +1,11 @@
 """GPU tree attention for vLLM 0.33 (CUDA): FlashAttention plus tree rows.
 
-Registered as vLLM's CUSTOM backend by ``TreeGPUWorker``. Written against
-vLLM's flash_attn.py (0.32 source, same in 0.33); never executed here (no CUDA
-build of vLLM on these machines). Tree rows run the Triton kernel of
-``spec_tree_kernels.tree_attention`` with the compact per-request mask.
+Registered as vLLM's CUSTOM backend by ``TreeGPUWorker`` (``install_gpu_backend``).
+Written against vLLM's flash_attn.py (0.32 source, same in 0.33); never
+executed here (no CUDA build of vLLM on these machines), imported against
+0.33's source by ``tests/model/test_vllm_cuda_guard.py``. Tree rows run the
+Triton kernel of ``spec_tree_kernels.tree_attention`` with the compact
+per-request mask.
 """
 
 from __future__ import annotations
@@ -24,3 +26,18 @@ class TreeFlashAttentionBackend(FlashAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return TreeFlashAttentionImpl
+
+
+TREE_BACKEND_PATH = f"{__name__}.TreeFlashAttentionBackend"
+
+
+def install_gpu_backend() -> None:
+    """Register ``TreeFlashAttentionBackend`` as vLLM's CUSTOM backend (seams
+    ``register_backend``, ``selector._cached_get_attn_backend``)."""
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, TREE_BACKEND_PATH)
+    # vLLM memoizes backend classes per process: an engine built earlier in
+    # this process would otherwise hand us its class.
+    selector._cached_get_attn_backend.cache_clear()

@@ -30,8 +30,8 @@ DEFAULT_SHAPE = {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}
 MAX_SPEC_LEN = 128  # vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN: drafts per request per step
 DEFAULT_MASK_MODE = "ANCESTOR_BITMASK"
 ALLOWED_MASK_MODES = ("ANCESTOR_BITMASK", "PARENT_POINTER", "QLEN_ONLY")
-CPU_WORKER = "spec_plugins.vllm_ext.worker.TreeCPUWorker"
-GPU_WORKER = "spec_plugins.vllm_ext.worker.TreeGPUWorker"
+CPU_WORKER = "spec_plugins.vllm_ext.worker_cpu.TreeCPUWorker"
+GPU_WORKER = "spec_plugins.vllm_ext.worker_gpu.TreeGPUWorker"
 
 
 class TreeConfigError(ValueError):

@@ -1,52 +1,31 @@
-"""Worker classes that tree mode installs as ``parallel_config.worker_cls``.
+"""What the tree worker classes share; imports no vLLM module.
 
-Each builds the tree runner instead of vLLM's and installs the tree attention
-backend before the model (and its attention layers) is built.
+The classes themselves live in one module per platform, because importing
+vLLM's CPU worker is not harmless: ``vllm.v1.worker.cpu_worker`` imports
+``vllm.v1.worker.cpu.shm``, which replaces ``torch.cuda.Event/Stream/
+current_stream``, ``torch.accelerator`` memory queries, ``Tensor.pin_memory``
+and Triton's ``tl.debug_barrier`` process-wide. So:
+
+* ``worker_cpu.TreeCPUWorker``  (``config.CPU_WORKER``) imports vLLM's CPU worker;
+* ``worker_gpu.TreeGPUWorker``  (``config.GPU_WORKER``) imports nothing CPU-only
+  (``tests/model/test_vllm_cuda_guard.py`` checks this against vLLM 0.33's source).
 """
 
 from __future__ import annotations
 
-from vllm.v1.worker import cpu_worker as _cpu_worker_module
-from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm.v1.worker.gpu_worker import Worker
+from dataclasses import asdict
 
-from .attention import install_cpu_override, install_gpu_backend
+V1_RUNNER_ERROR = ("spec-plugins tree mode needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): "
+                   "the tree runner subclasses it; vLLM chose the V2 runner")
 
 
 class TreeStatsMixin:
     def spec_tree_stats(self) -> dict:
         """Runner counters and timers (``llm.collective_rpc("spec_tree_stats")``)."""
-        from dataclasses import asdict
-
         return asdict(self.model_runner.tree_stats)
 
 
-class TreeCPUWorker(TreeStatsMixin, CPUWorker):
-    def init_device(self):
-        if self.use_v2_model_runner:
-            raise RuntimeError("spec-plugins tree mode needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
-        install_cpu_override()
-        from .runner import TreeCPUModelRunner
-
-        # CPUWorker.init_device builds its runner inline from this module global.
-        original = _cpu_worker_module.CPUModelRunner
-        _cpu_worker_module.CPUModelRunner = TreeCPUModelRunner
-        try:
-            super().init_device()
-        finally:
-            _cpu_worker_module.CPUModelRunner = original
-
-
-class TreeGPUWorker(TreeStatsMixin, Worker):
-    """vLLM 0.33 CUDA (written against the source, not executed here)."""
-
-    def init_device(self):
-        install_gpu_backend()
-        super().init_device()
-
-    def _make_model_runner(self):
-        if self.use_v2_model_runner:
-            raise RuntimeError("spec-plugins tree mode needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
-        from .runner import TreeGPUModelRunner
-
-        return TreeGPUModelRunner(self.vllm_config, self.device)
+def require_v1_runner(worker) -> None:
+    """Refuse vLLM's V2 runner (``Worker.use_v2_model_runner``), whose seams differ."""
+    if worker.use_v2_model_runner:
+        raise RuntimeError(V1_RUNNER_ERROR)

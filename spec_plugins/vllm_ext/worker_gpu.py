@@ -1,0 +1,47 @@
+"""``TreeGPUWorker``: vLLM's CUDA worker building the tree runner (``config.GPU_WORKER``).
+
+vLLM 0.33 CUDA, written against its source and checked against it by
+``tests/model/test_vllm_cuda_guard.py`` (no CUDA vLLM runs here). This module
+must import nothing CPU-only from vLLM (see ``worker.py``): the guard fails if
+it does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.worker.gpu_worker import Worker
+
+from .worker import TreeStatsMixin, require_v1_runner
+
+logger = logging.getLogger(__name__)
+
+
+class TreeGPUWorker(TreeStatsMixin, Worker):
+    def init_device(self):
+        from .attention_gpu import install_gpu_backend
+
+        # Before super(): init_device builds the runner, whose layers resolve
+        # their attention backend from vLLM's registry.
+        install_gpu_backend()
+        super().init_device()
+
+    def _make_model_runner(self):
+        require_v1_runner(self)
+        from .runner import TreeGPUModelRunner
+
+        return TreeGPUModelRunner(self.vllm_config, self.device)
+
+    def load_model(self, *args, **kwargs):
+        prepare_tree_kernels(self.device)
+        super().load_model(*args, **kwargs)
+
+
+def prepare_tree_kernels(device) -> dict:
+    """Build or load the CUDA tree kernels now, at startup (minutes on a cold
+    cache), not on the first decode step; Triton serves if they cannot be built."""
+    import spec_tree_kernels as stk
+
+    impls = stk.prepare(device)
+    logger.info("spec-plugins tree kernels on %s: %s", device, impls)
+    return impls
