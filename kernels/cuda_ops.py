@@ -408,10 +408,16 @@ def build_tree(
         raise ValueError("tree_mask_buf must be contiguous for impl='cuda'")
     links = torch.empty(4, batch, nodes, dtype=torch.int64, device=device)
     ok = torch.empty(batch, dtype=torch.bool, device=device)
+    # The launcher fills seq_lens_sum * T + T * T * B entries, all of a mask it
+    # sized; a preallocated buffer (or an empty batch's) is filled whole here,
+    # as SGLang and the reference do.
+    fill_here = fill_prefix_mask and mode == TreeMaskMode.FULL_MASK and (tree_mask_buf is not None or not batch)
+    if fill_here:
+        mask.fill_(True)
     if batch:
         be.build(
             selected_index.contiguous(), parent_list.contiguous(), seq_lens.contiguous(), int(topk), int(num_steps),
-            int(mode), bool(fill_prefix_mask), int(seq_lens_sum), mask, links, ok,
+            int(mode), bool(fill_prefix_mask) and not fill_here, int(seq_lens_sum), mask, links, ok,
         )  # fmt: skip
     return TreeBuild(mask, links[0], links[1], links[2], links[3]), ok
 

@@ -12,7 +12,8 @@ FULL_MASK (0)
     owns ``T`` consecutive rows of width ``L_b + T`` starting at
     ``T * T * b + T * sum_{c<b} L_c``. Columns ``[0, L_b)`` are the prefix
     (True when ``fill_prefix_mask``, untouched otherwise), column ``L_b + j``
-    is node j. Byte-identical to SGLang.
+    is node j. Byte-identical to SGLang, which also fills a preallocated
+    buffer whole (beyond ``seq_lens_sum``) when filling the prefix.
 QLEN_ONLY (1)
     Flat ``torch.bool`` of ``B * T * T``: row i, column j is True iff node j
     is node i or one of its ancestors. Byte-identical to SGLang.

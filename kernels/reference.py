@@ -178,7 +178,10 @@ def encode_mask(
         out[: batch * nodes * nodes] = anc.flatten()
     elif mode == TreeMaskMode.FULL_MASK:
         if fill_prefix_mask:
-            out[: seq_lens_sum * nodes + nodes * nodes * batch].fill_(True)
+            # The whole buffer, as SGLang's build_tree_kernel_efficient does: a
+            # preallocated buffer can hold more than seq_lens_sum says (SGLang
+            # passes 0 with one), and no prefix bit may survive from last step.
+            out.fill_(True)
         prefix = torch.cumsum(seq_lens, 0) - seq_lens
         row_start = nodes * nodes * torch.arange(batch, device=device) + nodes * prefix  # [B]
         width = seq_lens + nodes

@@ -199,11 +199,12 @@ def build_tree(selected_index, parent_list, seq_lens, topk, num_steps, mode, seq
     links = torch.empty(3, batch, nodes, dtype=torch.int64, device=device)
     parent = torch.empty(batch, nodes, dtype=torch.int32, device=device)
     ok = torch.empty(batch, dtype=torch.int32, device=device)
+    if mode == TreeMaskMode.FULL_MASK and fill_prefix_mask:
+        # one memset beats a per-row prefix kernel; the build kernel then overwrites the tree cells.
+        # The whole buffer, like SGLang and the reference (a preallocated one may exceed seq_lens_sum).
+        mask.fill_(True)
     if batch == 0:
         return TreeBuild(mask, positions, links[0], links[1], links[2]), ok.bool()
-    if mode == TreeMaskMode.FULL_MASK and fill_prefix_mask:
-        # one memset beats a per-row prefix kernel; the build kernel then overwrites the tree cells
-        mask[: seq_lens_sum * nodes + nodes * nodes * batch].fill_(True)
     prefix = torch.cumsum(seq_lens, 0) - seq_lens
     parents = parent_list if parent_list.shape[1] > 0 else torch.zeros(batch, 1, dtype=torch.int64, device=device)
     block_t = _pow2(nodes)
