@@ -29,6 +29,19 @@ def _metric(metrics, name):
     return per_pos if per_pos is not None else total
 
 
+# The KV cache size is stated, never a fraction of free memory: on vLLM-CPU the
+# memory-utilization fraction is a share of NUMA node 0, so whether the engine
+# starts would depend on what else runs on the machine. 384 MiB holds ~8k
+# SmolLM2 tokens (fp32), ample for a few prompts of max_model_len 1024.
+KV_CACHE_BYTES = 384 << 20
+
+
+def engine_kwargs(model: str) -> dict:
+    return dict(model=model, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                distributed_executor_backend="uni", seed=0, enable_prefix_caching=False, enforce_eager=True,
+                disable_log_stats=False)
+
+
 def run(head_dir: Path, method: str, num_spec: int, prompts: list[str], max_tokens: int = 48,
         compare: bool = True) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -36,11 +49,8 @@ def run(head_dir: Path, method: str, num_spec: int, prompts: list[str], max_toke
 
     from spec_plugins.models.smollm2 import ensure_converted
 
-    model = str(ensure_converted())
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    common = dict(model=model, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.2,
-                  distributed_executor_backend="uni", seed=0, enable_prefix_caching=False, enforce_eager=True,
-                  disable_log_stats=False)
+    common = engine_kwargs(str(ensure_converted()))
     llm = LLM(**common, speculative_config={"method": method, "model": str(head_dir),
                                             "num_speculative_tokens": num_spec})
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -1,0 +1,64 @@
+"""Every vLLM engine the package and its tests build states its KV cache size.
+
+On vLLM-CPU ``gpu_memory_utilization`` (and the default sizing) is a share of
+the memory free on NUMA node 0, so an engine sized that way starts or not
+depending on what else runs on the machine (issue 12, finding 1: the heads
+test failed on a fresh machine). Read from the source, no engine needed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted(p for d in ("spec_plugins", "tests") for p in (ROOT / d).rglob("*.py") if p != Path(__file__).resolve())
+
+
+def _llm_calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == "LLM") or (isinstance(f, ast.Attribute) and f.attr == "LLM"):
+                yield node
+
+
+def _defines_kv_bytes(tree: ast.AST) -> bool:
+    """The module builds engine kwargs with kv_cache_memory_bytes (dict(...) or {...})."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "kv_cache_memory_bytes":
+            return True
+        if isinstance(node, ast.Constant) and node.value == "kv_cache_memory_bytes":
+            return True
+    return False
+
+
+def test_no_engine_is_sized_by_free_memory():
+    offenders = [str(p.relative_to(ROOT)) for p in SOURCES
+                 if "gpu_memory_utilization" in p.read_text() or "--gpu-memory-utilization" in p.read_text()]
+    assert not offenders, f"engines sized by a share of free memory: {offenders}"
+
+
+def test_every_llm_call_states_its_kv_cache_size():
+    missing = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text())
+        for call in _llm_calls(tree):
+            names = {k.arg for k in call.keywords}
+            if "kv_cache_memory_bytes" in names:
+                continue
+            if None in names and _defines_kv_bytes(tree):  # LLM(**engine_kwargs(...)) from a builder in the module
+                continue
+            if not call.keywords and not call.args:
+                continue
+            missing.append(f"{path.relative_to(ROOT)}:{call.lineno}")
+    # The startup-refusal test builds LLM() that fails before sizing anything.
+    missing = [m for m in missing if not m.startswith("tests/model/test_vllm_tree_config.py")]
+    assert not missing, f"LLM(...) without kv_cache_memory_bytes: {missing}"
+
+
+def test_vllm_check_engines_state_their_kv_cache_size():
+    from spec_plugins.heads.vllm_check import engine_kwargs
+
+    kw = engine_kwargs("model")
+    assert kw["kv_cache_memory_bytes"] > 0 and "gpu_memory_utilization" not in kw
