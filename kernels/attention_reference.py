@@ -1,0 +1,141 @@
+"""Tree attention: input validation and the pure-torch reference.
+
+``attention.py`` documents the operation, the shapes, dtypes and layouts;
+``attention_triton.py`` holds the Triton kernels. Both implementations share
+``_check_inputs`` (shape/dtype/device checks only, never a host sync).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .modes import TreeMaskMode, ancestor_bitmask_words, parse_mask_mode
+
+SUPPORTED_MODES = (TreeMaskMode.ANCESTOR_BITMASK, TreeMaskMode.PARENT_POINTER, TreeMaskMode.QLEN_ONLY)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_inputs(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode) -> TreeMaskMode:
+    """Shape/dtype/device checks only (no value checks: those would sync)."""
+    mode = parse_mask_mode(mode)
+    if mode not in SUPPORTED_MODES:
+        names = ", ".join(m.name for m in SUPPORTED_MODES)
+        raise ValueError(f"tree attention supports mask modes {names}; got {mode.name}")
+    for name, t, ndim in (
+        ("q", q, 4),
+        ("k_cache", k_cache, 4),
+        ("v_cache", v_cache, 4),
+        ("block_table", block_table, 2),
+        ("context_lens", context_lens, 1),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache/v_cache must have q's dtype {q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
+    if block_table.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"block_table/context_lens must be int32 or int64, got {block_table.dtype}/{context_lens.dtype}")
+    batch, nodes, hq, dim = q.shape
+    if nodes < 1:
+        raise ValueError("q must hold at least one node per request")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != dim:
+        raise ValueError(f"head dim of q ({dim}) and of the cache ({k_cache.shape[3]}) differ")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if block_table.shape[0] != batch or context_lens.shape[0] != batch:
+        raise ValueError(
+            f"block_table {tuple(block_table.shape)} / context_lens {tuple(context_lens.shape)} "
+            f"must have q's batch {batch} first"
+        )
+    if not isinstance(tree_mask, torch.Tensor) or tree_mask.device != q.device:
+        raise ValueError("tree_mask must be a tensor on q's device")
+    if mode == TreeMaskMode.ANCESTOR_BITMASK:
+        want, dtype = (batch, nodes, ancestor_bitmask_words(nodes)), torch.int64
+    elif mode == TreeMaskMode.PARENT_POINTER:
+        want, dtype = (batch, 2, nodes), torch.int16
+    else:
+        want, dtype = (batch * nodes * nodes,), torch.bool
+    if tuple(tree_mask.shape) != want or tree_mask.dtype != dtype:
+        raise ValueError(
+            f"{mode.name} tree_mask must be {dtype} of shape {want}, got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+        )
+    return mode
+
+
+def _default_scale(scale, dim: int) -> float:
+    return 1.0 / math.sqrt(dim) if scale is None else float(scale)
+
+
+# ----------------------------------------------------------------- reference
+
+
+def tree_mask_to_dense(tree_mask: torch.Tensor, mode, batch: int, nodes: int) -> torch.Tensor:
+    """[B, T, T] bool, [b, i, j] iff node j is node i or an ancestor of it."""
+    mode = parse_mask_mode(mode)
+    device = tree_mask.device
+    if mode == TreeMaskMode.QLEN_ONLY:
+        return tree_mask[: batch * nodes * nodes].view(batch, nodes, nodes).clone()
+    if mode == TreeMaskMode.ANCESTOR_BITMASK:
+        cols = torch.arange(nodes, device=device)
+        words = tree_mask[:, :, cols // 64]  # [B, T, T]: the word holding column j
+        return ((words >> (cols % 64)) & 1).bool()  # arithmetic shift; & 1 keeps bit 63 right
+    if mode == TreeMaskMode.PARENT_POINTER:
+        parent = tree_mask[:, 0].long()
+        anc = torch.eye(nodes, dtype=torch.bool, device=device).expand(batch, nodes, nodes).clone()
+        cur = torch.arange(nodes, device=device).expand(batch, nodes)
+        for _ in range(nodes - 1):  # no node is deeper than T - 1; a fixed count needs no sync
+            cur = torch.where(cur >= 0, parent.gather(1, cur.clamp(min=0)), cur)
+            anc |= torch.nn.functional.one_hot(cur.clamp(min=0), nodes).bool() & (cur >= 0)[..., None]
+        return anc
+    raise ValueError(f"tree attention does not support mask mode {mode.name}")
+
+
+def tree_attention_reference(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale=None):
+    """Pure-torch tree attention (see the module docstring for the layouts).
+
+    Gathers every position the block table can address ([B, max_blocks *
+    block_size]), masks to prefix + ancestor-or-self tree positions and runs a
+    plain fp32 softmax. Memory grows with the block table width: a reference,
+    not a kernel.
+    """
+    mode = _check_inputs(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode)
+    batch, nodes, hq, dim = q.shape
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    group = hq // hkv
+    scale = _default_scale(scale, dim)
+    device = q.device
+
+    blocks = block_table.long().clamp(0, max(num_blocks - 1, 0))  # padding entries: harmless, masked below
+    k = k_cache[blocks].flatten(1, 2).float()  # [B, S, Hkv, D], S = max_blocks * block_size
+    v = v_cache[blocks].flatten(1, 2).float()
+    positions = torch.arange(k.shape[1], device=device)
+    ctx = context_lens.long()[:, None]
+    prefix = positions[None, :] < ctx  # [B, S]
+    node_of_pos = positions[None, :] - ctx  # tree node stored at each position
+    in_tree = (node_of_pos >= 0) & (node_of_pos < nodes)
+    anc = tree_mask_to_dense(tree_mask, mode, batch, nodes)  # [B, T, T]
+    tree_ok = anc.gather(2, node_of_pos.clamp(0, nodes - 1)[:, None, :].expand(batch, nodes, -1))
+    allowed = prefix[:, None, :] | (tree_ok & in_tree[:, None, :])  # [B, T, S]
+    # unused slots may hold anything (NaN included): zero V there so 0 * V stays 0
+    v = torch.where((prefix | in_tree)[:, :, None, None], v, 0.0)
+
+    qf = q.float().view(batch, nodes, hkv, group, dim)
+    scores = torch.einsum("bthgd,bshd->bhgts", qf, k) * scale
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgts,bshd->bthgd", probs, v)
+    return out.reshape(batch, nodes, hq, dim).to(q.dtype)
