@@ -17,7 +17,7 @@ split KV (flash-decoding; ``_tree_attention_split_kernel`` + ``_tree_attention_m
     attends its nodes to prefix chunk s (no mask: every node sees the whole
     prefix), program s = S attends them to the T tree positions under the
     compact mask; each writes a partial state (normalised output, log2-sum-
-    exp) to a fp32 workspace. The merge kernel (grid ``(Hq, T, B)``, one
+    exp) to a fp32 workspace. The merge kernel (grid ``(T * Hq, B)``, one
     program per output row) combines a row's used prefix chunks and its tree
     part in one vector step. Best at small batch, where the single-pass grid
     has too few programs to keep HBM busy.
@@ -388,42 +388,43 @@ def _tree_attention_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS_P2: tl.constexpr,  # power of 2 >= S
-    HEADS: tl.constexpr,  # query heads per program (power of 2; 1 on a GPU)
+    ROWS: tl.constexpr,  # output rows (node, head) per program: 1 on a GPU
     BLOCK_D: tl.constexpr,
 ):
-    """Merge: grid (ceil(Hq / HEADS), T, B), one program per HEADS output rows
-    of one node. Combines each row's used prefix chunks (ceil(ctx / chunk) of
-    them; none for an empty context) and its tree part in one vector step:
-    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s."""
-    head_block = tl.program_id(0)
-    node = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    """Merge: grid (ceil(T * Hq / ROWS), B); program (r, b) merges rows
+    r * ROWS .. of request b (row = node * Hq + head). Each row combines its
+    used prefix chunks (ceil(ctx / chunk) of them; none for an empty context)
+    and its tree part in one vector step: out = sum_s 2^(lse_s - M) o_s /
+    sum_s 2^(lse_s - M), M = max_s lse_s."""
+    b = tl.program_id(1).to(tl.int64)
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < T * HQ
     ctx = tl.load(context_lens_ptr + b).to(tl.int32)
     n_used = tl.cdiv(ctx, _chunk_len(ctx, num_splits, min_chunk, BLOCK_N))
-    heads = head_block * HEADS + tl.arange(0, HEADS)
-    heads_ok = heads < HQ
     s = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, BLOCK_D)
     dims_ok = dims < HEAD_DIM
-    base = ((b * T + node) * HQ + heads) * (num_splits + 1)  # [HEADS] int64
-    slot = base[:, None] + s[None, :]  # [HEADS, SPLITS_P2]
-    used = heads_ok[:, None] & (s < n_used)[None, :]
+    base = (b * T * HQ + row) * (num_splits + 1)  # [ROWS] int64
+    slot = base[:, None] + s[None, :]  # [ROWS, SPLITS_P2]
+    used = row_ok[:, None] & (s < n_used)[None, :]
 
     lse = tl.load(lse_part_ptr + slot, mask=used, other=float("-inf"))
-    lse_tree = tl.load(lse_part_ptr + base + num_splits, mask=heads_ok, other=0.0)  # finite: a node sees itself
+    lse_tree = tl.load(lse_part_ptr + base + num_splits, mask=row_ok, other=0.0)  # finite: a node sees itself
     m = tl.maximum(tl.max(lse, 1), lse_tree)
     w = tl.exp2(lse - m[:, None])  # 0 on unused chunks
     w_tree = tl.exp2(lse_tree - m)
     o = tl.load(o_part_ptr + slot[:, :, None] * HEAD_DIM + dims[None, None, :], mask=used[:, :, None] & dims_ok[None, None, :],
                 other=0.0)  # fmt: skip
     o_tree = tl.load(o_part_ptr + (base + num_splits)[:, None] * HEAD_DIM + dims[None, :],
-                     mask=heads_ok[:, None] & dims_ok[None, :], other=0.0)  # fmt: skip
+                     mask=row_ok[:, None] & dims_ok[None, :], other=0.0)  # fmt: skip
     num = tl.sum(w[:, :, None] * o, 1) + w_tree[:, None] * o_tree
     den = tl.sum(w, 1) + w_tree
+    node = row // HQ
+    head = row % HQ
     tl.store(
-        out_ptr + b * stride_ob + node * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od,
+        out_ptr + b * stride_ob + (node * stride_ot + head * stride_oh)[:, None] + dims[None, :] * stride_od,
         (num / den[:, None]).to(out_ptr.dtype.element_ty),
-        mask=heads_ok[:, None] & dims_ok[None, :],
+        mask=row_ok[:, None] & dims_ok[None, :],
     )
 
 
@@ -566,6 +567,12 @@ def plan_tree_attention(
 # --------------------------------------------------------------------- launch
 
 
+def _launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``; one seam, so a test can compile the
+    exact launches for a GPU target without one (tests/triton_aot.py)."""
+    kernel[grid](*args, **kwargs)
+
+
 def tree_attention_triton(
     q,
     k_cache,
@@ -645,8 +652,8 @@ def tree_attention_triton(
 
     if plan.kernel == "single":
         grid = (plan.node_blocks, hkv, batch)
-        _tree_attention_kernel[grid](
-            q, k_cache, v_cache, out, block_table, context_lens, mask,
+        _launch(
+            _tree_attention_kernel, grid, q, k_cache, v_cache, out, block_table, context_lens, mask,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
             block_table.stride(0), qk_scale, **common, **launch,
         )  # fmt: skip
@@ -656,17 +663,18 @@ def tree_attention_triton(
     o_part = torch.empty(batch, nodes, hq, splits + 1, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch, nodes, hq, splits + 1, dtype=torch.float32, device=q.device)
     grid = (plan.node_blocks, splits + 1, batch * hkv)
-    _tree_attention_split_kernel[grid](
-        q, k_cache, v_cache, o_part, lse_part, block_table, context_lens, mask,
+    _launch(
+        _tree_attention_split_kernel, grid, q, k_cache, v_cache, o_part, lse_part, block_table, context_lens, mask,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0), qk_scale, splits, plan.min_chunk, hkv,
         HQ=hq, **common, **launch,
     )  # fmt: skip
-    # one row per program on a GPU (parallelism); all heads of a node per program in the interpreter (speed)
-    heads = 1 if q.is_cuda else _next_pow2(hq)
-    _tree_attention_merge_kernel[(triton.cdiv(hq, heads), nodes, batch)](
+    # one row per program on a GPU (parallelism); many per program in the interpreter (speed)
+    rows = min(_next_pow2(nodes * hq), 256) if _interpreting() else 1
+    _launch(
+        _tree_attention_merge_kernel, (triton.cdiv(nodes * hq, rows), batch),
         o_part, lse_part, out, context_lens, *out.stride(), splits, plan.min_chunk,
-        T=nodes, HQ=hq, HEAD_DIM=dim, BLOCK_N=plan.block_n, SPLITS_P2=max(2, _next_pow2(splits)), HEADS=heads,
+        T=nodes, HQ=hq, HEAD_DIM=dim, BLOCK_N=plan.block_n, SPLITS_P2=max(2, _next_pow2(splits)), ROWS=rows,
         BLOCK_D=common["BLOCK_D"],
     )  # fmt: skip
     return out

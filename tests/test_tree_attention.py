@@ -1,6 +1,10 @@
 """Tree attention over a paged KV cache: reference vs an independent dense
-computation, and the Triton kernel (TRITON_INTERPRET=1 on CPU, or CUDA) vs the
-reference.
+computation, and the Triton kernels (TRITON_INTERPRET=1 on CPU, or CUDA) vs the
+reference and the dense computation: the single-pass kernel and the split-KV
+kernel + merge, with split counts that exercise the merge (a context shorter
+than one chunk, exactly one chunk, many chunks with a short tail, an empty
+context). The launch plan is tested from shapes alone, and the launches are
+compiled for sm_90 without a GPU (tests/triton_aot.py).
 
 The dense check shares no code with the module: trees are parent arrays
 written here, masks are encoded here, K/V are kept per request in logical
@@ -11,16 +15,22 @@ table, and attention is ``scaled_dot_product_attention`` over the explicit
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import spec_tree_kernels.attention_triton as attention_triton
 from spec_tree_kernels.modes import TreeMaskMode
 from spec_tree_kernels.attention import (
     _triton_usable,
+    plan_tree_attention,
     tree_attention,
     tree_attention_reference,
     tree_attention_triton,
@@ -253,23 +263,145 @@ def test_triton_strided_inputs():
     assert_close(tree_attention_reference(*args), ref, torch.float32)
 
 
+# ------------------------------------------------------------ split KV
+
+# kind, T, ctx_lens, hq, hkv, dim, block_size, dtype, mode, num_splits, split_min_tokens, block_n
+# chunk = max(round_up(ceil(ctx / S), block_n), split_min_tokens); used chunks = ceil(ctx / chunk)
+SPLIT_CASES = [
+    ("random", 8, [5, 16, 0], 4, 2, 16, 16, torch.float32, AB, 4, 16, 16),  # shorter than one chunk / exactly one / empty
+    ("random", 8, [64, 70, 47], 4, 2, 16, 16, torch.float32, PP, 4, 16, 16),  # 4 full chunks / 3 of 32 (tail 6) / 3 of 16
+    ("chain", 12, [31, 33, 96], 2, 1, 16, 5, torch.float16, QL, 3, 16, 16),  # block size 5: chunks straddle blocks
+    ("binary", 20, [15, 17, 48], 6, 2, 24, 16, torch.bfloat16, AB, 2, 16, 16),  # block boundaries, GQA 3, D 24
+    ("random", 1, [0, 33, 129], 8, 2, 32, 16, torch.float32, AB, 5, 32, 32),  # one-token decode, 5 chunks
+    ("star", 64, [40, 0], 2, 2, 16, 1, torch.float16, PP, 6, 16, 16),  # bit 63, SGLang's block size 1
+    ("random", 80, [21, 100], 2, 1, 16, 16, torch.bfloat16, QL, 4, 16, 32),  # three node blocks, second mask word
+    ("random", 160, [37], 2, 1, 16, 16, torch.float32, AB, 3, 16, 64),  # three mask words
+    ("random", 160, [0], 2, 1, 16, 8, torch.bfloat16, PP, 2, 16, 32),  # parent walk across three words, empty context
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("kind,nodes,ctx,hq,hkv,dim,bs,dtype,mode,splits,min_tokens,block_n", SPLIT_CASES)
+def test_split_matches_dense(kind, nodes, ctx, hq, hkv, dim, bs, dtype, mode, splits, min_tokens, block_n):
+    p = problem(kind, nodes, ctx, hq, hkv, dim, bs, dtype, mode, seed=nodes + 7 * len(ctx))
+    out = tree_attention_triton(*p.args(), kernel="split", num_splits=splits, split_min_tokens=min_tokens, block_n=block_n)
+    assert_close(out, p.dense(), dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(6))
+def test_split_random_configurations(seed):
+    """Seeded random shapes and split plans through the split kernel: == dense."""
+    gen = torch.Generator().manual_seed(2000 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(0, len(options), (1,), generator=gen))]
+
+    nodes = pick([1, 3, 16, 33, 64, 100])
+    hkv = pick([1, 2])
+    batch = pick([1, 2])
+    ctx = [pick([0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 150]) for _ in range(batch)]
+    dtype = pick([torch.float32, torch.float16, torch.bfloat16])
+    p = problem(pick(["random", "chain", "star", "binary"]), nodes, ctx, hkv * pick([1, 2, 4]), hkv, pick([16, 32]),
+                pick([1, 5, 16]), dtype, pick([AB, PP, QL]), seed=seed)  # fmt: skip
+    out = tree_attention_triton(*p.args(), kernel="split", num_splits=pick([1, 2, 3, 5, 8]),
+                                split_min_tokens=pick([16, 32]), block_n=pick([16, 32, 64]))  # fmt: skip
+    assert_close(out, p.dense(), dtype)
+
+
+@needs_triton
+def test_dispatcher_picks_split_at_small_batch(monkeypatch):
+    """tree_attention(impl="triton") with no knobs: the plan chooses the split
+    kernel for one request on a (pretend) 132-SM GPU, and the result is right."""
+    monkeypatch.setattr(attention_triton, "SPLIT_MIN_TOKENS", 16)
+    monkeypatch.setattr(attention_triton, "_num_sms", lambda device_type, index: 132)
+    p = problem("random", 6, [90], hq=4, hkv=2, dim=16, block_size=16, seed=4)
+    plan = plan_tree_attention(1, 6, 4, 2, 16, 16, p.block_table.shape[1], DEVICE)
+    assert plan.kernel == "split" and plan.num_splits > 2
+    assert_close(tree_attention(*p.args(), impl="triton"), p.dense(), torch.float32)
+
+
+def test_plan_from_shapes(monkeypatch):
+    """The launch plan depends on shapes (and the SM count) only, never on context values."""
+    monkeypatch.setattr(attention_triton, "_num_sms", lambda device_type, index: 132)
+    llama = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+
+    def plan(batch, nodes, max_blocks, **kw):
+        return plan_tree_attention(batch, nodes, llama["num_q_heads"], llama["num_kv_heads"], llama["head_dim"],
+                                   llama["block_size"], max_blocks, "cuda", **kw)  # fmt: skip
+
+    # batch 64: 512 programs already fill 132 SMs: one pass, no workspace
+    p = plan(64, 8, 260)
+    assert (p.kernel, p.num_splits, p.workspace_bytes) == ("single", 1, 0)
+    # batch 1, 4k context: 8 programs per chunk -> ceil(264 / 8) = 33, capped by 4096 / 128 = 32 chunks
+    p = plan(1, 8, 260, max_context_len=4096)
+    assert (p.kernel, p.num_splits, p.min_chunk, p.block_n) == ("split", 32, 128, 64)
+    assert p.programs == 8 * 33 and p.workspace_bytes == 8 * 32 * 33 * 129 * 4
+    # batch 8: ceil(264 / 64) = 5 chunks
+    assert plan(8, 8, 260).num_splits == 5
+    # T = 64: 4 node blocks of 16 nodes, chunk >= T * group / 2 = 128
+    p = plan(1, 64, 260)
+    assert (p.node_blocks, p.num_splits) == (4, 9)
+    # a short block table (or a max_context_len hint) bounds the chunk count
+    assert plan(1, 8, 16).num_splits == 2  # 256 - 8 positions -> 2 chunks of >= 128
+    assert plan(1, 8, 8192, max_context_len=1024).num_splits == 8
+    assert plan(1, 8, 8192).num_splits == 33  # 131k reach: the SM target decides
+    assert plan(1, 8, 1).kernel == "single"  # no room for a prefix
+    # forced choices, and SPLIT_MAX
+    assert plan(64, 8, 260, kernel="split").kernel == "split"
+    assert plan(1, 8, 260, kernel="single").kernel == "single"
+    assert plan(1, 8, 260, num_splits=3).num_splits == 3
+    assert plan(1, 1, 10**6).num_splits <= attention_triton.SPLIT_MAX
+    # the workspace cap lowers S
+    monkeypatch.setattr(attention_triton, "SPLIT_WORKSPACE_MAX_BYTES", 1 << 20)
+    p = plan(1, 8, 260, max_context_len=4096)
+    assert p.kernel == "split" and p.workspace_bytes <= 1 << 20 and p.num_splits == 6
+    with pytest.raises(ValueError, match="kernel"):
+        plan(1, 8, 260, kernel="fast")
+    with pytest.raises(ValueError, match="num_splits"):
+        plan(1, 8, 260, num_splits=0)
+
+
+def test_kernels_compile_for_sm90():
+    """The split, merge and single-pass launches compile to sm_90 cubins
+    (Triton's bundled ptxas) without spilling the bf16 paths: what the
+    interpreter cannot show before a GPU run."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    script = Path(__file__).with_name("triton_aot.py")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and rows, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert {r["kernel"] for r in rows} == {"_tree_attention_kernel", "_tree_attention_split_kernel", "_tree_attention_merge_kernel"}
+    for r in rows:
+        if r["dtype"] != "float32" and "stack" in r:
+            assert r["stack"] == 0 and r["local"] == 0, f"register spills: {r}"
+
+
 # ------------------------------------------------------- branches stay apart
 
 
-def sibling_isolation(impl, mode):
+def sibling_isolation(impl, mode, **triton_kwargs):
     # node 3 (under 1) and the subtree of its uncle 2 = {2, 5, 6, 9, 10}
     parent = [-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7]
     gen = torch.Generator().manual_seed(11)
     p = Problem([13, 5], [parent, parent], 4, 2, 16, 16, torch.float32, mode, gen)
     subtree = {2, 5, 6, 9, 10}
-    before = tree_attention(*p.args(), impl=impl)
+    def run():
+        if triton_kwargs:
+            return tree_attention_triton(*p.args(), **triton_kwargs)
+        return tree_attention(*p.args(), impl=impl)
+
+    before = run()
     # overwrite the subtree's K/V in the cache (request 0 only)
     for node in subtree:
         pos = p.ctx_lens[0] + node
         block = int(p.block_table[0, pos // 16])
         p.k_cache[block, pos % 16] = 1e3 * torch.randn(2, 16, generator=gen)
         p.v_cache[block, pos % 16] = 1e3 * torch.randn(2, 16, generator=gen)
-    after = tree_attention(*p.args(), impl=impl)
+    after = run()
     outside = [i for i in range(len(parent)) if i not in subtree]
     assert torch.equal(before[0, outside], after[0, outside]), "a node saw a sibling branch"
     assert torch.equal(before[1], after[1]), "a request saw another request's KV"
@@ -286,6 +418,12 @@ def test_sibling_branch_invisible_reference(mode):
 @pytest.mark.parametrize("mode", [AB, PP, QL])
 def test_sibling_branch_invisible_triton(mode):
     sibling_isolation("triton", mode)
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", [AB, PP, QL])
+def test_sibling_branch_invisible_split(mode):
+    sibling_isolation("triton", mode, kernel="split", num_splits=3, split_min_tokens=16, block_n=16)
 
 
 # ---------------------------------------------------------------- dispatcher

@@ -1,0 +1,108 @@
+"""Compile the tree-attention Triton launches for a GPU target without a GPU.
+
+The interpreter (TRITON_INTERPRET=1) runs kernels as numpy and accepts code
+the real compiler rejects; this compiles the exact launches
+``tree_attention_triton`` makes (same arguments, so the same specialization:
+pointer alignment, unit strides, constexprs) down to a cubin with Triton's
+bundled ptxas, and reports registers and spills (cuobjdump).
+
+    python tests/triton_aot.py [--arch 90]      # prints one JSON line per launch
+
+Run without TRITON_INTERPRET (a separate process from the interpreter tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+# (kernel, dtype, mode, T, hq, hkv, D, block_size, extra kwargs): the main path and the corners
+LAUNCHES = [
+    ("split", "bfloat16", "ANCESTOR_BITMASK", 8, 32, 8, 128, 16, dict(num_splits=16)),  # the main path
+    ("split", "bfloat16", "PARENT_POINTER", 64, 32, 8, 128, 16, dict(num_splits=4)),  # a big tree
+    ("split", "float32", "QLEN_ONLY", 24, 4, 2, 32, 1, dict(num_splits=3)),  # IEEE fp32 dots (small: slow to compile)
+    ("single", "float16", "ANCESTOR_BITMASK", 160, 32, 8, 128, 16, {}),  # three mask words, node blocks
+]
+
+
+def compile_launch(jitfn, grid, args, kwargs, target):
+    """``jitfn[grid](*args, **kwargs)`` compiled for ``target`` as a launch specializes it."""
+    import triton
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(jitfn.signature, jitfn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = jitfn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(jitfn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def resource_usage(cubin: bytes) -> dict:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    return dict(zip(("regs", "stack", "shared", "local"), map(int, found.groups()))) if found else {}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("run without TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    import torch
+    from triton.backends.compiler import GPUTarget
+
+    import spec_tree_kernels.attention_triton as at
+
+    target = GPUTarget("cuda", args.arch, 32)
+    launches = []
+    at._launch = lambda kernel, grid, *a, **k: launches.append((kernel, grid, a, k))  # capture, do not run
+    at._triton_usable = lambda device: True
+    failed = 0
+    for kernel, dtype_name, mode, nodes, hq, hkv, dim, block_size, extra in LAUNCHES:
+        dtype = getattr(torch, dtype_name)
+        batch, blocks = 2, 64
+        q = torch.zeros(batch, nodes, hq, dim, dtype=dtype)
+        k_cache = torch.zeros(blocks, block_size, hkv, dim, dtype=dtype)
+        table = torch.zeros(batch, blocks // batch, dtype=torch.int32)
+        ctx = torch.zeros(batch, dtype=torch.int32)
+        if mode == "ANCESTOR_BITMASK":
+            mask = torch.zeros(batch, nodes, (nodes + 63) // 64, dtype=torch.int64)
+        elif mode == "PARENT_POINTER":
+            mask = torch.zeros(batch, 2, nodes, dtype=torch.int16)
+        else:
+            mask = torch.zeros(batch * nodes * nodes, dtype=torch.bool)
+        launches.clear()
+        at.tree_attention_triton(q, k_cache, k_cache.clone(), table, ctx, mask, mode, kernel=kernel, block_n=64, **extra)
+        for jitfn, grid, a, k in launches:
+            t0 = time.time()
+            row = dict(kernel=jitfn.__name__, dtype=dtype_name, mode=mode, T=nodes, grid=list(grid), arch=args.arch)
+            try:
+                compiled = compile_launch(jitfn, grid, a, k, target)
+                row.update(ok=True, **resource_usage(compiled.asm["cubin"]))
+            except Exception as exc:
+                failed += 1
+                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-1500:]}")
+            row["seconds"] = round(time.time() - t0, 1)
+            print(json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
