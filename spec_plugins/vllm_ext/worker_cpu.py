@@ -9,11 +9,13 @@ from __future__ import annotations
 from vllm.v1.worker import cpu_worker as _cpu_worker_module
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from .seams import check_seams
 from .worker import TreeStatsMixin, require_v1_runner
 
 
 class TreeCPUWorker(TreeStatsMixin, CPUWorker):
     def init_device(self):
+        check_seams(platform="cpu")
         require_v1_runner(self)
         from .attention import install_cpu_override
         from .runner import TreeCPUModelRunner

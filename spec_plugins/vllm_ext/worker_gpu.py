@@ -12,6 +12,7 @@ import logging
 
 from vllm.v1.worker.gpu_worker import Worker
 
+from .seams import check_seams
 from .worker import TreeStatsMixin, require_v1_runner
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,7 @@ class TreeGPUWorker(TreeStatsMixin, Worker):
     def init_device(self):
         from .attention_gpu import install_gpu_backend
 
+        check_seams(platform="cuda")  # every internal the CUDA path uses, before any of it runs
         # Before super(): init_device builds the runner, whose layers resolve
         # their attention backend from vLLM's registry.
         install_gpu_backend()

