@@ -32,6 +32,13 @@ def test_reduced_device_check(tmp_path):
     assert {"select/triton", "build/triton", "verify/triton", "move/triton"} <= set(triton["counts"])
     assert triton["accepted_draft_tokens"] > 0  # the verify cases accept something
     assert report["bench"]["rows"] and "ours_by_mode" in report["headline"]["eager_us"]
+    attention = report["tree_attention"]  # issue #17's section: every part runs
+    assert attention["failed"] == 0 and attention["correctness"]["passed"] >= 3, attention["correctness"]
+    rows = attention["sweep"]["rows"]
+    assert len(rows) == 4 and all(r["ok"] and r["time_us"] > 0 and "other_time_us" in r for r in rows), rows
+    assert {r["kernel"] for r in rows} == {"split", "single"}  # batch 1 splits, batch 2 fills the pretend GPU
+    assert attention["copy"][0]["gbps"] > 0
+    assert {"b1_t4_ctx40", "ratio_t4_t1_b1_ctx40", "ratio_t4_t1_b2_ctx40"} <= set(attention["targets"])
     if spec_tree:
         assert report["sglang_crosscheck"]["failed"] == 0 and report["sglang_crosscheck"]["passed"] > 0
         assert "sglang" in report["headline"]["eager_us"]
