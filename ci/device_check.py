@@ -812,7 +812,7 @@ def run_tree_attention(K, reduced, report, budget) -> int:
         grid = {k: shape.pop(k) for k in ("batches", "tree_sizes", "contexts")}
         kw = dict(shape, dtype=torch.float32, iters=1, tolerance=1e-4, device=device, plan_kwargs=dict(split_min_tokens=16))
     else:
-        grid, kw = {}, dict(device=device)
+        grid, shape, kw = {}, None, dict(device=device)
     t0 = time.time()
     sweep = ab.sweep_tree_attention(*grid.values(), deadline=deadline, log=report.log, **kw)
     section["sweep"] = dict(sweep, seconds=round(time.time() - t0, 1), layer="Llama-3-8B: 32 query / 8 KV heads, D 128, bf16, block 16",
@@ -820,29 +820,37 @@ def run_tree_attention(K, reduced, report, budget) -> int:
                             kv_gbps="K and V bytes of context + T positions / time")  # fmt: skip
     bad = [r for r in sweep["rows"] if not r.get("ok", True)]
     failed += len(bad)
-    report.save()
-
-    if not reduced:
-        t0 = time.time()
-        modes = []
-        for mode in ("PARENT_POINTER", "QLEN_ONLY"):
-            result = ab.sweep_tree_attention(*ATTENTION_MODE_POINTS.values(), mode=mode, compare_kernels=False, deadline=deadline,
-                                             log=report.log, device=device)  # fmt: skip
-            modes.extend(result["rows"])
-            failed += len([r for r in result["rows"] if not r.get("ok", True)])
-        section["modes"] = dict(rows=modes, seconds=round(time.time() - t0, 1))
-        report.save()
-        t0 = time.time()
-        section["tune"] = dict(points=ab.tune_splits(deadline=deadline, log=report.log, device=device), seconds=round(time.time() - t0, 1))
-        report.save()
-
     if reduced:  # the arithmetic on the smoke grid
         section["targets"] = dict(ab.targets(sweep["rows"], section["copy"], context=40, nodes=4, batches=(1, 2)),
                                   note="reduced mode: not a measurement")  # fmt: skip
     else:
         section["targets"] = ab.targets(sweep["rows"], section["copy"])
-    section["failed"] = failed
     report.log("  attention targets:", json.dumps(section["targets"]))
+    report.save()
+
+    t0 = time.time()
+    modes = []
+    for mode in ("PARENT_POINTER", "QLEN_ONLY"):
+        if reduced:  # one tiny point per mode
+            result = ab.sweep_tree_attention((1,), (4,), (40,), mode=mode, compare_kernels=False, log=report.log, **kw)
+        else:
+            result = ab.sweep_tree_attention(*ATTENTION_MODE_POINTS.values(), mode=mode, compare_kernels=False, deadline=deadline,
+                                             log=report.log, **kw)  # fmt: skip
+        modes.extend(result["rows"])
+        failed += len([r for r in result["rows"] if not r.get("ok", True)])
+    section["modes"] = dict(rows=modes, seconds=round(time.time() - t0, 1))
+    report.save()
+
+    t0 = time.time()
+    if reduced:
+        tune = ab.tune_splits(points=((1, 4, 64),), splits=(2,), iters=1, device=device, log=report.log,
+                              plan_kwargs=dict(split_min_tokens=16), shape=shape, dtype=torch.float32)  # fmt: skip
+    else:
+        tune = ab.tune_splits(deadline=deadline, log=report.log, device=device)
+    section["tune"] = dict(points=tune, seconds=round(time.time() - t0, 1))
+    report.save()
+
+    section["failed"] = failed
     report.save()
     return failed
 

@@ -4,6 +4,12 @@
 #   bash ci/device_check.sh              # GPU machine: correctness, sanitizer, timings (< 8 min)
 #   bash ci/device_check.sh --reduced    # anywhere: CPU + TRITON_INTERPRET=1, tiny sizes (~1 min)
 #   bash ci/device_check.sh --budget 300 --skip sanitizer   # a shorter GPU run
+#   bash ci/device_check.sh --skip correctness,sglang,sanitizer,bench   # only tree attention (issue #17)
+#
+# The tree-attention section (issue #17) checks the split-KV and single-pass
+# kernels against the reference, measures a device-to-device copy, sweeps
+# batch {1,4,8,64} x T {1,8,16,64} x context {1k,4k,32k} and reports the
+# issue's targets under .tree_attention.targets in the JSON.
 #
 # Writes $OUT/device_check.json and $OUT/device_check.log (OUT defaults to
 # ./bench_out). Needs torch (+ triton) importable by $PYTHON (default: the

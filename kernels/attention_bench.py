@@ -242,16 +242,16 @@ def sweep_tree_attention(
 
 def tune_splits(points=((1, 8, 4096), (8, 8, 4096), (1, 8, 32768), (1, 64, 4096)), splits=(2, 4, 8, 16, 32, 64), *,
                 mode="ANCESTOR_BITMASK", iters: int = 10, deadline: float | None = None, device="cuda", log=None,
-                plan_kwargs: dict | None = None) -> list[dict]:  # fmt: skip
+                plan_kwargs: dict | None = None, shape: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> list[dict]:  # fmt: skip
     """Split-count scan at a few (batch, T, context) points: time per forced
     num_splits next to the single-pass kernel and the dispatcher's own
-    choice, to check (and retune) plan_tree_attention's constants."""
+    choice (and, where it splits, block_n 32 / 8 warps / 2 stages at its
+    split count), to check and retune plan_tree_attention's constants."""
     device = torch.device(device)
     mode = parse_mask_mode(mode)
     plan_kwargs = dict(plan_kwargs or {})
     timer = ColdTimer(device, iters=iters)
-    h = LLAMA3_8B
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    h = dict(LLAMA3_8B, **(shape or {}))
     results = []
     for batch, nodes, context in points:
         if deadline is not None and deadline - time.time() < 10:
@@ -265,8 +265,13 @@ def tune_splits(points=((1, 8, 4096), (8, 8, 4096), (1, 8, 32768), (1, 64, 4096)
         plan = plan_tree_attention(batch, nodes, h["num_q_heads"], h["num_kv_heads"], h["head_dim"], h["block_size"],
                                    block_table.shape[1], device, **plan_kwargs)  # fmt: skip
         entry = dict(batch=batch, T=nodes, context=context, auto_kernel=plan.kernel, auto_splits=plan.num_splits, times_us={})
-        variants = [("auto", {})] + [("single", dict(kernel="single"))]
-        variants += [(f"split{s}", dict(kernel="split", num_splits=s)) for s in splits if s * 64 <= max(context, 64)]
+        variants = [("auto", {}), ("single", dict(kernel="single"))]
+        useful = -(-context // plan.min_chunk)  # more chunks than this would not be used (chunk >= min_chunk)
+        variants += [(f"split{s}", dict(kernel="split", num_splits=s)) for s in splits if s <= useful]
+        if context // 64 > useful:  # shorter chunks than the plan allows
+            variants.append(("split_chunk64", dict(kernel="split", num_splits=min(context // 64, 64), split_min_tokens=64)))
+        if plan.kernel == "split":  # tiles and launch options at the plan's own split count
+            variants += [("auto_block_n32", dict(block_n=32)), ("auto_warps8", dict(num_warps=8)), ("auto_stages2", dict(num_stages=2))]
         for name, kw in variants:
             if deadline is not None and deadline - time.time() < 5:
                 break

@@ -39,6 +39,10 @@ def test_reduced_device_check(tmp_path):
     assert {r["kernel"] for r in rows} == {"split", "single"}  # batch 1 splits, batch 2 fills the pretend GPU
     assert attention["copy"][0]["gbps"] > 0
     assert {"b1_t4_ctx40", "ratio_t4_t1_b1_ctx40", "ratio_t4_t1_b2_ctx40"} <= set(attention["targets"])
+    assert {r["mode"] for r in attention["modes"]["rows"]} == {"PARENT_POINTER", "QLEN_ONLY"}
+    assert all(r["ok"] for r in attention["modes"]["rows"])
+    tune = attention["tune"]["points"][0]
+    assert {"auto", "single", "split2"} <= set(tune["times_us"]) and "best" in tune, tune
     if spec_tree:
         assert report["sglang_crosscheck"]["failed"] == 0 and report["sglang_crosscheck"]["passed"] > 0
         assert "sglang" in report["headline"]["eager_us"]
