@@ -231,8 +231,10 @@ def sweep_tree_attention(
                 row["ratio_vs_t1"] = round(row["time_us"] / base, 3)
         rows.extend(group_rows)
         if log:
-            summary = " ".join(f"T{r['T']}:{r.get('time_us', 'ERR')}us/{r.get('kv_gbps', '-')}GB/s({r['kernel'][:2]}{r['num_splits']})"
-                               for r in group_rows)  # fmt: skip
+            summary = " ".join(
+                f"T{r['T']}:{r.get('time_us', 'ERR')}us/{r.get('kv_gbps', '-')}GB/s({r['kernel'][:2]}{r['num_splits']})"
+                for r in group_rows
+            )
             log(f"  attention batch={batch} ctx={context} ({time.time() - t0:.1f}s): {summary}")
         del k_cache, v_cache, block_table, context_lens
         if device.type == "cuda":
@@ -242,7 +244,8 @@ def sweep_tree_attention(
 
 def tune_splits(points=((1, 8, 4096), (8, 8, 4096), (1, 8, 32768), (1, 64, 4096)), splits=(2, 4, 8, 16, 32, 64), *,
                 mode="ANCESTOR_BITMASK", iters: int = 10, deadline: float | None = None, device="cuda", log=None,
-                plan_kwargs: dict | None = None, shape: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> list[dict]:  # fmt: skip
+                plan_kwargs: dict | None = None, shape: dict | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> list[dict]:  # fmt: skip
     """Split-count scan at a few (batch, T, context) points: time per forced
     num_splits next to the single-pass kernel and the dispatcher's own
     choice (and, where it splits, block_n 32 / 8 warps / 2 stages at its
@@ -271,7 +274,8 @@ def tune_splits(points=((1, 8, 4096), (8, 8, 4096), (1, 8, 32768), (1, 64, 4096)
         if context // 64 > useful:  # shorter chunks than the plan allows
             variants.append(("split_chunk64", dict(kernel="split", num_splits=min(context // 64, 64), split_min_tokens=64)))
         if plan.kernel == "split":  # tiles and launch options at the plan's own split count
-            variants += [("auto_block_n32", dict(block_n=32)), ("auto_warps8", dict(num_warps=8)), ("auto_stages2", dict(num_stages=2))]
+            variants += [("auto_block_n32", dict(block_n=32)), ("auto_warps8", dict(num_warps=8)),
+                         ("auto_stages2", dict(num_stages=2))]
         for name, kw in variants:
             if deadline is not None and deadline - time.time() < 5:
                 break
@@ -338,8 +342,8 @@ def check_tree_attention(device="cuda", cases=None, seed: int = 0) -> dict:
         entry = dict(dtype=dtype_name, mode=mode, T=nodes, heads=(hq, hkv, dim), block_size=block_size, contexts=list(contexts),
                      kwargs=kwargs)  # fmt: skip
         try:
-            plan = plan_tree_attention(batch, nodes, hq, hkv, dim, block_size, table.shape[1], device,
-                                       **{k: v for k, v in kwargs.items() if k in ("kernel", "num_splits", "split_min_tokens")})  # fmt: skip
+            plan_kw = {k: v for k, v in kwargs.items() if k in ("kernel", "num_splits", "split_min_tokens")}
+            plan = plan_tree_attention(batch, nodes, hq, hkv, dim, block_size, table.shape[1], device, **plan_kw)
             out = tree_attention_triton(*args, **kwargs)
             ref = tree_attention_reference(*args)
             err = (out.float() - ref.float()).abs().max().item()
