@@ -45,13 +45,11 @@ def _random_parents(batch: int, nodes: int, generator: torch.Generator) -> torch
 
 
 def _mask_from_parents(parent: torch.Tensor, mode) -> torch.Tensor:
-    """Tree mask in ``mode``'s layout from [B, T] parents (via the reference build)."""
-    from .reference import ancestor_matrix, encode_mask
+    """Tree mask in ``mode``'s layout from [B, T] parents (the public tree_from_parents op)."""
+    from .api import tree_from_parents
 
-    batch, nodes = parent.shape
-    anc, depth, _ = ancestor_matrix(parent, nodes - 1)
-    seq_lens = torch.zeros(batch, dtype=torch.int64, device=parent.device)
-    return encode_mask(anc, parent, depth, seq_lens, parse_mask_mode(mode), 0, False, None)
+    seq_lens = torch.zeros(parent.shape[0], dtype=torch.int64, device=parent.device)
+    return tree_from_parents(parent, seq_lens, mode).tree_mask
 
 
 class ColdTimer:
