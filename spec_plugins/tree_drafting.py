@@ -1,16 +1,22 @@
-"""EAGLE-2 dynamic tree drafting, engine-free (torch + spec_tree_kernels).
+"""EAGLE-2 dynamic tree drafting, engine-free and batched (torch + spec_tree_kernels).
 
-Shared by the HF reference decoder (``reference_decoder``) and the vLLM
-proposer (``vllm_ext.proposer``): given the head's output at the last
-committed position and the head's KV cache of the context, expand ``topk``
-children per surviving branch for ``num_steps`` levels (SGLang's pool layout),
-then pick the ``num_draft_tokens - 1`` best candidates, ancestor-closed.
+One function expands the candidate pool for R requests at once
+(``expand_pool``); the head forward of each draft step is a callback, so the
+same expansion serves the vLLM adapter (vLLM's own EAGLE model, branch KV in a
+scratch tensor read by tree-aware attention) and the HF reference decoder
+(``EagleHead`` with a dense KV cache). ``select_trees`` then picks the
+``num_draft_tokens - 1`` best candidates of each pool, ancestor-closed.
+
+Pool layout (SGLang's): level 1 holds the K children of the root; every later
+level holds K children of each of the K survivors of the level before (K^2
+candidates), survivor-major. ``parent_list`` gives the pool index of the parent
+of each group of K.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -31,76 +37,122 @@ class TreeShape:
 
 
 @dataclass
-class DraftTree:
-    """One request's tree: tokens [T - 1] of nodes 1..T-1 (target ids, BFS
-    order: parents before children) and parents [T] node-local (-1 for the root)."""
+class DraftTrees:
+    """R requests' trees. tokens [R, T-1] int64: target ids of nodes 1..T-1 in
+    BFS order (parents before children); parents [R, T] int64 node-local
+    parent of each node, -1 for the root (node 0)."""
 
-    tokens: list[int]
-    parents: list[int]
+    tokens: torch.Tensor
+    parents: torch.Tensor
+
+
+# step(level, tokens [R, K], hidden [R, K, H], ancestors [R, K, (level-1)*K] bool)
+#   -> (logits [R, K, V_draft], next hidden [R, K, H])
+# One head forward of the K frontier nodes of every request at depth ``level``
+# (positions: the request's last committed position + level). ``ancestors[r, j, e]``
+# says whether branch entry e (level l's frontier j' is entry (l-1)*K + j') is an
+# ancestor of frontier node j; the callback keeps the branch KV itself, appending
+# the K entries of each level in order, and each node also attends to its own KV.
+DraftStep = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def expand_pool(first_logits: torch.Tensor, first_hidden: torch.Tensor, draft_to_target: torch.Tensor | None,
+                num_steps: int, topk: int, step: DraftStep):
+    """EAGLE-2 expansion for R requests in SGLang's pool layout.
+
+    first_logits [R, V_draft]: the head's logits at each request's last
+    committed position (they rank the root's children); first_hidden [R, H]:
+    the head's hidden there; draft_to_target [V_draft] int64 target id of each
+    draft logit (None: the same vocabulary). Scores are cumulative path
+    probabilities (softmax over the draft vocabulary at each level).
+    Returns (scores [R, P] float32, pool_tokens [R, P] int64 target ids,
+    parent_list [R, 1 + (S-1)K] int64), P = K + (S-1)K^2.
+    """
+    K = topk
+    R, H = first_hidden.shape
+    device = first_logits.device
+
+    def to_target(draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if draft_to_target is None else draft_to_target[draft_ids]
+
+    top_p, top_i = first_logits.float().softmax(-1).topk(K, dim=-1)  # [R, K]
+    pool_scores, pool_tokens = [top_p], [to_target(top_i)]
+    parents = [torch.arange(-1, K, device=device).expand(R, K + 1)]
+    surv_scores, surv_tokens = top_p, pool_tokens[0]
+    surv_hidden = first_hidden[:, None].expand(R, K, H)
+    surv_anc = torch.zeros(R, K, 0, dtype=torch.bool, device=device)
+    own = torch.eye(K, dtype=torch.bool, device=device).expand(R, K, K)
+    for level in range(1, num_steps):
+        logits, hidden = step(level, surv_tokens, surv_hidden, surv_anc)
+        row_anc = torch.cat([surv_anc, own], -1)  # each frontier node's new entry: its ancestors plus itself
+        child_p, child_i = logits.float().softmax(-1).topk(K, dim=-1)  # [R, K survivors, K children]
+        expand = (surv_scores[..., None] * child_p).flatten(1)  # [R, K*K], survivor-major
+        child_tokens = to_target(child_i).flatten(1)
+        pool_scores.append(expand)
+        pool_tokens.append(child_tokens)
+        if level < num_steps - 1:
+            best = torch.sort(expand, dim=-1, descending=True, stable=True).indices[:, :K]  # [R, K]
+            parents.append(best + K * K * (level - 1) + K)
+            rows = best // K
+            surv_scores, surv_tokens = expand.gather(1, best), child_tokens.gather(1, best)
+            surv_hidden = hidden.gather(1, rows[..., None].expand(R, K, H))
+            surv_anc = row_anc.gather(1, rows[..., None].expand(R, K, row_anc.shape[-1]))
+    parent_list = (torch.cat(parents, 1) if num_steps > 1
+                   else torch.empty(R, 0, dtype=torch.int64, device=device))
+    return torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), parent_list
+
+
+def select_trees(scores: torch.Tensor, pool_tokens: torch.Tensor, parent_list: torch.Tensor, shape: TreeShape,
+                 impl: str = "torch") -> DraftTrees:
+    """The T - 1 best candidates of each pool as a closed tree (tie-safe,
+    ``spec_tree_kernels.select_tree_nodes``), with node-local parents.
+    Validation of the pools is off: a NaN score ranks last and the tree stays closed."""
+    selected = stk.select_tree_nodes(scores, parent_list, shape.topk, shape.num_steps, shape.num_draft_tokens,
+                                     validate=False, impl=impl)
+    parents = stk.node_parents(selected, parent_list, shape.topk)
+    return DraftTrees(tokens=pool_tokens.gather(1, selected), parents=parents)
 
 
 def _noop_timer(key: str, dt: float) -> None:
     pass
 
 
-def draft_pool(head, last_logits, last_hidden, past_k, past_v, kv_len: int, num_steps: int, topk: int,
-               timer=_noop_timer):
-    """EAGLE-2 expansion in SGLang's pool layout.
+def dense_head_step(head, past_k: torch.Tensor, past_v: torch.Tensor, kv_len: int, timer=_noop_timer) -> DraftStep:
+    """A ``DraftStep`` for one request (R = 1) over ``spec_plugins.heads.EagleHead``
+    with a dense KV cache past_k/v [kv_len, Hkv, D] (the reference decoder's).
+    Branch KV lives in local tensors; nothing is written back."""
+    import time
 
-    head: ``spec_plugins.heads.EagleHead``; last_logits [V_draft] and
-    last_hidden [H]: the head's output at position kv_len - 1 (which predicts
-    the root's child level); past_k/v [kv_len, Hkv, Dh]: the head's KV of the
-    context. Branch KV lives only in local tensors (nothing is written back).
-    Returns (scores [P] float32 cumulative probabilities, pool_tokens [P]
-    target ids, parent_list [1 + (S-1)K] int64).
-    """
-    K = topk
-    d2t = head.draft_to_target()
-    device = last_logits.device
-    probs = last_logits.float().softmax(-1)
-    top_p, top_i = probs.topk(K)
-    pool_scores, pool_tokens = [top_p], [d2t[top_i]]
-    parents = [torch.arange(-1, K, device=device)]
-    surv_scores, surv_tokens = top_p, d2t[top_i]
-    surv_hidden = last_hidden.expand(K, -1)
-    surv_anc = torch.zeros(K, 0, dtype=torch.bool, device=device)  # [K, tree entries so far]: entry is an ancestor
     tree_k = past_k.new_zeros(0, *past_k.shape[1:])
     tree_v = past_v.new_zeros(0, *past_v.shape[1:])
-    neg_inf = float("-inf")
-    for i in range(1, num_steps):
+
+    def step(level, tokens, hidden, ancestors):
+        nonlocal tree_k, tree_v
+        K = tokens.shape[1]
         n_tree = tree_k.shape[0]
-        bias = torch.zeros(K, kv_len + n_tree + K, device=device, dtype=past_k.dtype)
-        bias[:, kv_len : kv_len + n_tree] = torch.where(surv_anc, 0.0, neg_inf)
-        bias[:, kv_len + n_tree :] = torch.full((K, K), neg_inf, device=device).fill_diagonal_(0.0)
-        t1 = time.perf_counter()
-        logits, hidden, k, v = head.step(surv_tokens, surv_hidden, torch.full((K,), kv_len + i - 1, device=device),
-                                         torch.cat([past_k, tree_k]), torch.cat([past_v, tree_v]), bias)
-        timer("draft_step", time.perf_counter() - t1)
+        bias = torch.zeros(K, kv_len + n_tree + K, dtype=past_k.dtype, device=past_k.device)
+        bias[:, kv_len : kv_len + n_tree] = torch.where(ancestors[0], 0.0, float("-inf"))
+        bias[:, kv_len + n_tree :] = torch.full((K, K), float("-inf"), device=past_k.device).fill_diagonal_(0.0)
+        t0 = time.perf_counter()
+        positions = torch.full((K,), kv_len + level - 1, device=past_k.device)
+        logits, nxt, k, v = head.step(tokens[0], hidden[0], positions, torch.cat([past_k, tree_k]),
+                                      torch.cat([past_v, tree_v]), bias)
+        timer("draft_step", time.perf_counter() - t0)
         tree_k, tree_v = torch.cat([tree_k, k]), torch.cat([tree_v, v])
-        # each row's new entry: its ancestors' entries plus itself
-        row_anc = torch.cat([surv_anc, torch.eye(K, dtype=torch.bool, device=device)], 1)
-        probs = logits.float().softmax(-1)
-        tp, ti = probs.topk(K, dim=-1)  # [K rows, K children]
-        expand = (surv_scores[:, None] * tp).flatten()
-        child_tokens = d2t[ti].flatten()
-        pool_scores.append(expand)
-        pool_tokens.append(child_tokens)
-        if i < num_steps - 1:
-            best = torch.sort(expand, descending=True, stable=True).indices[:K]
-            parents.append(best + K * K * (i - 1) + K)
-            rows = best // K
-            surv_scores, surv_tokens = expand[best], child_tokens[best]
-            surv_hidden, surv_anc = hidden[rows], row_anc[rows]
-    parent_list = torch.cat(parents) if num_steps > 1 else torch.empty(0, dtype=torch.long, device=device)
-    return torch.cat(pool_scores), torch.cat(pool_tokens), parent_list
+        return logits[None], nxt[None]
+
+    return step
 
 
-def draft_tree(head, last_logits, last_hidden, past_k, past_v, kv_len: int, shape: TreeShape,
-               impl: str = "torch", timer=_noop_timer) -> DraftTree:
-    """Expand the pool and select the tree (see ``draft_pool`` for the inputs)."""
-    scores, pool_tokens, parent_list = draft_pool(head, last_logits, last_hidden, past_k, past_v, kv_len,
-                                                  shape.num_steps, shape.topk, timer)
-    selected = stk.select_tree_nodes(scores[None], parent_list[None], shape.topk, shape.num_steps,
-                                     shape.num_draft_tokens, impl=impl)
-    parents = stk.node_parents(selected, parent_list[None], shape.topk)
-    return DraftTree(tokens=pool_tokens[selected[0]].tolist(), parents=parents[0].tolist())
+def draft_pool(head, last_logits, last_hidden, past_k, past_v, kv_len: int, num_steps: int, topk: int,
+               timer=_noop_timer):
+    """One request's pool from an ``EagleHead`` (the reference decoder's drafting).
+
+    last_logits [V_draft] and last_hidden [H]: the head's output at position
+    kv_len - 1; past_k/v [kv_len, Hkv, Dh]: the head's KV of the context.
+    Returns (scores [P] float32, pool_tokens [P] target ids, parent_list [1 + (S-1)K] int64).
+    """
+    step = dense_head_step(head, past_k, past_v, kv_len, timer)
+    scores, tokens, parent_list = expand_pool(last_logits[None], last_hidden[None], head.draft_to_target(),
+                                              num_steps, topk, step)
+    return scores[0], tokens[0], parent_list[0]

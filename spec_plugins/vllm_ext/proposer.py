@@ -1,151 +1,156 @@
-"""TreeEagleProposer: EAGLE-2 dynamic trees from an EAGLE-1 or EAGLE-3 head in vLLM.
+"""TreeDrafter: EAGLE-2 dynamic trees for a whole batch, on vLLM's own EAGLE model.
 
-Per request and step (``extend_and_draft``):
+The head is the model vLLM builds and loads from ``speculative_config``
+(``runner.drafter.model``: EAGLE-1 ``EagleLlamaForCausalLM`` or EAGLE-3
+``Eagle3LlamaForCausalLM``, vLLM's classes and weight loader), so every
+checkpoint layout and RoPE variant vLLM's own EAGLE accepts works here.
 
-1. draft-extend: the head runs over the positions the target committed this
-   step (a prompt chunk, or the accepted path root..last accepted node) with
-   the target's features there (EAGLE-3: the head's aux layers; EAGLE-1: the
-   last hidden state) and the token that follows each position; their head KV
-   is written into vLLM's paged cache of the drafter layer at the positions'
-   slots, next to the head KV of the earlier context (so prefix caching and
-   preemption recompute keep working as for vLLM's own EAGLE);
-2. tree drafting (``spec_plugins.tree_drafting``): topk expansion per step with
-   cumulative scores, the branches' head KV kept in local tensors (never in
-   the paged cache), and tie-safe ancestor-closed selection of T - 1 nodes.
+One step, for the batch (no per-request Python loop):
 
-The head math is ``spec_plugins.heads.EagleHead`` (plain torch) over weights
-loaded from the head folder; vLLM's own EagleProposer still loads the head so
-that vLLM allocates and manages the drafter layer's KV cache.
+1. ``extend``: one head forward over every row the target just ran (prompt
+   chunks, plain decode rows, all T nodes of each tree), with the target's
+   features there and, per row, the token that follows it (the next prompt
+   token, the sampled token, or for a tree node the target's argmax, which on
+   the accepted path is exactly the next emitted token). The head's KV goes to
+   vLLM's paged drafter cache at the rows' slots, tree rows under the tree
+   mask; the runner then moves the accepted path's head KV with the target's.
+2. ``draft``: from the head output at each request's last committed row,
+   ``num_steps - 1`` head forwards of the K frontier nodes of every tree
+   (``spec_plugins.tree_drafting.expand_pool``); their KV lives in a scratch
+   tensor read through ``BranchAttention`` (never in the paged cache), then the
+   tie-safe ancestor-closed selection of T - 1 nodes per request.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from pathlib import Path
-
-import numpy as np
 import torch
 
-from spec_plugins.heads import EagleHead
-from spec_plugins.tree_drafting import DraftTree, TreeShape, draft_tree
+from spec_plugins.tree_drafting import DraftTrees, TreeShape, expand_pool, select_trees
 
+from .attention import BranchAttention
 from .config import TreeConfigError
 
 
-@dataclass
-class PagedHeadKV:
-    """The drafter layer's K and V in vLLM's paged cache, each viewed as
-    [num_blocks, block_size, Hkv, D] (slot s = [s // block_size, s % block_size])."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[1]
-
-    def gather(self, block_row: np.ndarray, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [length, Hkv, D] of positions 0..length-1 of one request."""
-        pos = torch.arange(length, device=self.k.device)
-        blocks = torch.as_tensor(block_row[: math.ceil(length / self.block_size)], dtype=torch.int64,
-                                 device=self.k.device)
-        b, o = blocks[pos // self.block_size], pos % self.block_size
-        return self.k[b, o], self.v[b, o]
-
-    def scatter(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K, V [m, Hkv, D] at slots [m] int64."""
-        b, o = slots // self.block_size, slots % self.block_size
-        self.k[b, o] = k.to(self.k.dtype)
-        self.v[b, o] = v.to(self.v.dtype)
-
-
-@dataclass
-class ExtendInput:
-    """One request's committed positions this step.
-
-    next_tokens [m] int64: the token after each position (the last one: the
-    token the target just emitted, or the next prompt token mid-prefill);
-    features: EAGLE-3 [m, n_aux, H], EAGLE-1 [m, H] target states at them;
-    start: first position (= head KV already cached for 0..start-1);
-    slots [m] int64 of positions start..start+m-1 in the drafter's cache;
-    block_row: the request's block table row (drafter's KV cache group);
-    draft: whether to draft a tree after extending.
-    """
-
-    next_tokens: torch.Tensor
-    features: torch.Tensor
-    start: int
-    slots: torch.Tensor
-    block_row: np.ndarray
-    draft: bool
-
-
-class TreeEagleProposer:
-    def __init__(self, head: EagleHead, shape: TreeShape, impl: str = "torch"):
-        self.head = head.eval()
+class TreeDrafter:
+    def __init__(self, runner, shape: TreeShape, impl: str):
+        self.runner = runner
+        self.vllm_drafter = runner.drafter  # vLLM's EagleProposer: owns the head model and its attention groups
+        self.model = runner.drafter.model
         self.shape = shape
         self.impl = impl
-        self.kind = head.c.kind
+        self.eagle3 = runner.vllm_config.speculative_config.method == "eagle3"
+        names = sorted(self.vllm_drafter._draft_attn_layer_names)
+        if len(names) != 1:
+            raise TreeConfigError(f"spec_tree drafts with a one-layer EAGLE head; vLLM built draft layers {names}")
+        self.layer_name = names[0]
+        d2t = getattr(self.model, "draft_id_to_target_id", None)  # EAGLE-3 reduced vocabulary: offsets
+        self.draft_to_target = None if d2t is None else d2t + torch.arange(d2t.shape[0], device=d2t.device)
 
-    @classmethod
-    def for_vllm(cls, vllm_config, target_model, shape: TreeShape, device, impl: str) -> "TreeEagleProposer":
-        """Load the head named by vLLM's speculative config and wire it to the target."""
-        spec = vllm_config.speculative_config
-        folder = resolve_head_folder(spec.draft_model_config.model)
-        dtype = vllm_config.model_config.dtype
-        head = EagleHead.load(folder, dtype=dtype).to(device)
-        target_cfg = vllm_config.model_config.hf_text_config
-        check_head_fits_target(head, target_cfg, spec.method, folder)
-        vocab = target_cfg.vocab_size
-        embed = target_model.model.embed_tokens.weight[:vocab]  # vLLM pads vocab rows
-        lm_head = target_model.lm_head.weight[:vocab] if hasattr(target_model, "lm_head") else embed
-        head.attach_target(embed, lm_head)
-        return cls(head, shape, impl)
+    # ------------------------------------------------------------ the head
+    def _forward(self, attn_metadata: dict, slot_mapping: dict, input_ids, positions, hidden):
+        """vLLM's head forward -> (hidden for logits, hidden for the next step) [N, H]."""
+        from vllm.forward_context import set_forward_context
 
-    @torch.inference_mode()
-    def extend_and_draft(self, inp: ExtendInput, kv: PagedHeadKV) -> DraftTree | None:
-        m = inp.next_tokens.shape[0]
-        past_k, past_v = kv.gather(inp.block_row, inp.start)
-        positions = torch.arange(inp.start, inp.start + m, device=inp.next_tokens.device)
-        logits, hidden, k, v = self.head.step(inp.next_tokens, self.head.fuse(inp.features), positions,
-                                              past_k, past_v)
-        kv.scatter(inp.slots, k, v)
-        if not inp.draft:
-            return None
-        return draft_tree(self.head, logits[-1], hidden[-1], torch.cat([past_k, k]), torch.cat([past_v, v]),
-                          inp.start + m, self.shape, impl=self.impl)
+        with set_forward_context(attn_metadata, self.runner.vllm_config, num_tokens=input_ids.shape[0],
+                                 slot_mapping=slot_mapping):
+            out = self.model(input_ids=input_ids.to(torch.int32), positions=positions, hidden_states=hidden)
+        return out if isinstance(out, tuple) else (out, out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, V_draft] logits over the head's own vocabulary (mapped by ``draft_to_target``)."""
+        return self.model.logits_processor(self.model.lm_head, hidden)
+
+    def features(self, hidden_states: torch.Tensor, aux_hidden_states) -> torch.Tensor:
+        """Target features -> the head's input hidden [N, H] (EAGLE-3: fc over the aux layers)."""
+        if self.eagle3:
+            return self.model.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1))
+        return hidden_states
+
+    # ------------------------------------------------------------ one step
+    def extend(self, common_attn_metadata, input_ids: torch.Tensor, positions: torch.Tensor,
+               features: torch.Tensor):
+        """The head over the step's N rows (see module docstring); writes its KV
+        to the paged drafter cache. Returns (hidden for logits, next hidden) [N, H]."""
+        n = input_ids.shape[0]
+        _, per_layer = self.vllm_drafter.build_per_group_and_layer_attn_metadata(common_attn_metadata)
+        slots = self.vllm_drafter._get_slot_mapping(n, common_attn_metadata.slot_mapping[:n])
+        return self._forward(per_layer, slots, input_ids, positions, features)
+
+    def draft(self, last_hidden: torch.Tensor, next_hidden: torch.Tensor, kv_lens: torch.Tensor,
+              max_kv_len: int, block_rows: torch.Tensor, kv_views) -> DraftTrees:
+        """Trees for R requests. last_hidden / next_hidden [R, H]: the head's
+        output at each request's last committed position; kv_lens [R] int64
+        committed head positions (that position + 1), max_kv_len a host bound;
+        block_rows [R, max_blocks] the requests' drafter block table rows;
+        kv_views: the drafter layer's paged K, V [num_blocks, block_size, Hkv, D]."""
+        S, K = self.shape.num_steps, self.shape.topk
+        branch = self._branch_attention(kv_lens, max_kv_len, block_rows, kv_views, (S - 1) * K)
+        base_positions = kv_lens - 1
+
+        def step(level, tokens, hidden, ancestors):
+            R = tokens.shape[0]
+            branch.ancestors = ancestors
+            positions = (base_positions + level).repeat_interleave(K)  # contiguous: vLLM's CPU RoPE needs it
+            h_logits, h_next = self._forward({self.layer_name: branch}, {}, tokens.flatten(), positions,
+                                             hidden.flatten(0, 1))
+            return self.logits(h_logits).view(R, K, -1), h_next.view(R, K, -1)
+
+        pool = expand_pool(self.logits(last_hidden), next_hidden, self.draft_to_target, S, K, step)
+        return select_trees(*pool, self.shape, impl=self.impl)
+
+    def _branch_attention(self, kv_lens, max_kv_len: int, block_rows, kv_views, branch_entries: int):
+        k_cache, v_cache = kv_views
+        block_size = k_cache.shape[1]
+        positions = torch.arange(max_kv_len, device=kv_lens.device)
+        blocks = block_rows.long()[:, positions // block_size]  # [R, L]
+        offsets = (positions % block_size)[None].expand_as(blocks)
+        ctx_k, ctx_v = k_cache[blocks, offsets], v_cache[blocks, offsets]  # [R, L, Hkv, D]
+        ctx_bias = torch.zeros(blocks.shape, dtype=torch.float32, device=blocks.device)
+        ctx_bias.masked_fill_(positions[None] >= kv_lens[:, None], float("-inf"))
+        R, _, hkv, dim = ctx_k.shape
+        scratch = ctx_k.new_empty(2, R, branch_entries, hkv, dim)
+        impl = self.runner.compilation_config.static_forward_context[self.layer_name].impl
+        return BranchAttention(ctx_k=ctx_k, ctx_v=ctx_v, ctx_bias=ctx_bias[:, None, None], branch_k=scratch[0],
+                               branch_v=scratch[1], scale=impl.scale)
 
 
-def resolve_head_folder(model: str) -> Path:
-    path = Path(model)
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
+def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:
+    """Startup checks of a head config against the target's (HF configs), with
+    errors naming the head: kind vs method, one layer, sizes, aux layers."""
+    from pathlib import Path
 
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception as e:  # noqa: BLE001 - any failure means: not available locally
-        raise TreeConfigError(f"draft head {model!r}: not a local folder and not in the HF cache ({e})") from None
+    from .config import head_method
 
-
-def check_head_fits_target(head: EagleHead, target_cfg, method: str, folder: Path) -> None:
-    c = head.c
-    want = "eagle3" if method == "eagle3" else "eagle1"
-    if c.kind != want:
-        raise TreeConfigError(f"draft head {folder} is an {c.kind} head but speculative method is {method!r}")
-    if c.hidden_size != target_cfg.hidden_size:
-        raise TreeConfigError(f"draft head {folder} hidden_size {c.hidden_size} != target hidden_size "
+    archs = " ".join(getattr(head_cfg, "architectures", None) or [])
+    kind = head_method(folder) if (Path(folder) / "config.json").is_file() else (
+        "eagle3" if "Eagle3" in archs else "eagle")
+    want = "eagle3" if method == "eagle3" else "eagle"
+    if kind != want:
+        raise TreeConfigError(f"draft head {folder} is an {kind} head but speculative method is {method!r}")
+    layers = getattr(head_cfg, "num_hidden_layers", 1)
+    if layers != 1:
+        raise TreeConfigError(f"draft head {folder} has {layers} layers; spec_tree drafts with one-layer EAGLE heads")
+    target_hidden = getattr(head_cfg, "target_hidden_size", None) or head_cfg.hidden_size
+    if target_hidden != target_cfg.hidden_size:
+        raise TreeConfigError(f"draft head {folder} hidden_size {target_hidden} != target hidden_size "
                               f"{target_cfg.hidden_size}")
-    vocab = target_cfg.vocab_size
-    if c.kind == "eagle1" and c.vocab_size != vocab:
-        raise TreeConfigError(f"EAGLE-1 head {folder} vocab_size {c.vocab_size} != target vocab_size {vocab}")
-    if c.kind == "eagle3":
-        top = int(head.draft_to_target().max())
-        if top >= vocab:
-            raise TreeConfigError(f"EAGLE-3 head {folder} maps draft tokens to target id {top} >= target vocab "
-                                  f"{vocab} (d2t does not fit this target)")
-        layers = target_cfg.num_hidden_layers
-        bad = [i for i in c.aux_layer_ids if not 0 <= i < layers]
+    if kind == "eagle" and head_cfg.vocab_size != target_cfg.vocab_size:
+        raise TreeConfigError(f"EAGLE-1 head {folder} vocab_size {head_cfg.vocab_size} != target vocab_size "
+                              f"{target_cfg.vocab_size}")
+    if kind == "eagle3":
+        ids = (getattr(head_cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids") or []
+        bad = [i for i in ids if not 0 <= i < target_cfg.num_hidden_layers]
         if bad:
-            raise TreeConfigError(f"EAGLE-3 head {folder} reads aux layers {bad}; the target has {layers} layers")
+            raise TreeConfigError(f"EAGLE-3 head {folder} reads aux layers {bad}; the target has "
+                                  f"{target_cfg.num_hidden_layers} layers")
+
+
+def check_loaded_head(model, target_vocab: int, folder) -> None:
+    """After vLLM loaded the head: its draft->target map must land in the target vocabulary."""
+    d2t = getattr(model, "draft_id_to_target_id", None)
+    if d2t is None:
+        return
+    top = int((d2t + torch.arange(d2t.shape[0], device=d2t.device)).max())
+    if top >= target_vocab:
+        raise TreeConfigError(f"EAGLE-3 head {folder} maps draft tokens to target id {top} >= target vocab "
+                              f"{target_vocab} (d2t does not fit this target)")

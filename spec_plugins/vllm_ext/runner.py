@@ -15,11 +15,16 @@ methods, each around vLLM's own code:
                      logits and tokens then go through vLLM's own rejection
                      sampler as a chain (so logprobs, penalties, min_tokens,
                      allowed tokens behave as in vLLM's chains); the result is
-                     path tokens + bonus, -1 padded, and the accepted nodes'
-                     KV moves to the contiguous front before vLLM's scheduler
-                     rolls num_computed_tokens back to the accepted length.
-``propose_draft_token_ids``  ``TreeEagleProposer`` per request: returns the
-                     tree tokens (empty: no speculation for that request).
+                     path tokens + bonus, -1 padded. The accepted nodes' KV
+                     moves to the contiguous front after the head's extend
+                     (below), before vLLM's scheduler rolls num_computed_tokens
+                     back to the accepted length.
+``propose_draft_token_ids``  ``TreeDrafter`` for the whole batch: the head's
+                     extend over the step's rows (vLLM's EAGLE model, its KV
+                     in vLLM's paged drafter cache), the accepted path's KV
+                     moved to the front for every layer (target and head),
+                     then batched tree drafting; returns each request's tree
+                     tokens (empty: no speculation for that request).
 ``_update_states``   forgets finished requests' trees.
 
 Requests that are not greedy (temperature > 0) or use structured outputs are
@@ -30,24 +35,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import os
 import time
 
 import numpy as np
 import torch
 
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
 import spec_tree_kernels as stk
-from spec_plugins.tree_drafting import DraftTree
 
-from .attention import VerifyTrees, check_tree_attention_installed, cpu_kv_views, flash_kv_views, publish_verify_trees
+from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import settings_from_vllm_config
-from .proposer import ExtendInput, PagedHeadKV, TreeEagleProposer
-
-
-FAULT_ENV = "SPEC_PLUGINS_INJECT_FAULT"
+from .proposer import TreeDrafter, check_head_fits_target, check_loaded_head
 
 
 @dataclass
@@ -65,6 +62,29 @@ class TreeGroup:
     candidates: torch.Tensor
     build: stk.TreeBuild
     max_depth: int
+    max_context: int  # host copies of the context lengths
+    contexts: list
+    predict: torch.Tensor | None = None  # [B, T] int64 target argmax at each node, after the forward
+
+
+@dataclass
+class DraftingStep:
+    """Host view of one drafting step (numpy, R requests of the batch).
+
+    q_start [R+1], scheduled [R], start [R] (positions computed before the
+    step), discard [R] (mid-prefill: nothing sampled), last_row [R] (row of
+    the last committed position), kv_len [R] (committed positions after the
+    step), drafting: rows that get a tree next step.
+    """
+
+    num_rows: int
+    q_start: np.ndarray
+    scheduled: np.ndarray
+    start: np.ndarray
+    discard: np.ndarray
+    last_row: np.ndarray
+    kv_len: np.ndarray
+    drafting: np.ndarray
 
 
 @dataclass
@@ -76,8 +96,10 @@ class TreeStats:
     not_speculated: int = 0  # requests left without a tree (sampling, structured output, mid-prefill)
     prefill_chunks: int = 0  # head extends over a prompt chunk that is not the prompt's last
     verify_seconds: float = 0.0  # target forward + sampling of steps with trees (drafting excluded)
-    draft_seconds: float = 0.0  # extend + tree drafting, all requests of all steps
+    draft_seconds: float = 0.0  # extend + KV move + tree drafting, all requests of all steps
     draft_calls: int = 0  # steps that drafted
+    head_seconds: float = 0.0  # the head's forwards (extend + draft steps), part of draft_seconds
+    bookkeeping_seconds: float = 0.0  # tree build, walk + chain sampling, KV move, selection (ours, not models)
 
 
 def chain_spec_decode_metadata(drafts: list[list[int]], device):
@@ -118,17 +140,12 @@ class TreeRunnerMixin:
         if self.uses_mrope:
             raise RuntimeError("spec-plugins tree runner: M-RoPE models are not supported")
         self.tree_settings = settings
-        # TEST-ONLY fault injection, for the regression harness's own tests:
-        # "skip_kv_move" or "accept_extra" (never set it in production).
-        self.injected_fault = os.environ.get(FAULT_ENV) or None
-        if self.injected_fault not in (None, "skip_kv_move", "accept_extra"):
-            raise ValueError(f"{FAULT_ENV}={self.injected_fault!r}: known faults are skip_kv_move, accept_extra")
-        self.tree_proposer: TreeEagleProposer | None = None
+        self.tree_drafter: TreeDrafter | None = None
         self.tree_stats = TreeStats()
-        self._drafted: dict[str, DraftTree] = {}  # req_id -> the tree behind its current spec tokens
+        self._drafted: dict[str, tuple[list, list]] = {}  # req_id -> (tokens, parents) behind its spec tokens
         self._step_groups: dict[int, TreeGroup] = {}
-        self._accepted_paths: dict[int, torch.Tensor] = {}  # batch row -> accepted node path (root first)
-        self._head_kv: PagedHeadKV | None = None
+        self._verified: dict[int, TreeGroup] = {}  # this step's trees after the walk, until the KV move
+        self._accepted_paths: dict[int, list] = {}  # batch row -> accepted node path (root first)
         self._step_forward = 0.0  # seconds of the last execute_model (target forward)
 
     # ------------------------------------------------------------------ setup
@@ -136,40 +153,34 @@ class TreeRunnerMixin:
         raise NotImplementedError
 
     def load_model(self, *args, **kwargs):
-        super().load_model(*args, **kwargs)
-        self.tree_proposer = TreeEagleProposer.for_vllm(self.vllm_config, self.model, self.tree_settings.shape,
-                                                        self.device, self.tree_impl)
+        spec = self.vllm_config.speculative_config
+        check_head_fits_target(spec.draft_model_config.hf_config, self.vllm_config.model_config.hf_text_config,
+                               spec.method, spec.draft_model_config.model)
+        super().load_model(*args, **kwargs)  # loads the target and vLLM's EAGLE head (self.drafter.model)
+        check_loaded_head(self.drafter.model, self.vllm_config.model_config.get_vocab_size(),
+                          spec.draft_model_config.model)
+        self.tree_drafter = TreeDrafter(self, self.tree_settings.shape, self.tree_impl)
 
     def initialize_kv_cache(self, *args, **kwargs):
         super().initialize_kv_cache(*args, **kwargs)
-        self._head_kv = None  # views over the new cache tensors are taken on first use
         draft_layers = set(self.drafter._draft_attn_layer_names)
         target_layers = [n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names
                          if n not in draft_layers]
-        check_tree_attention_installed(self.compilation_config.static_forward_context, target_layers)
+        # the head's layer too: its extend runs tree rows and its draft steps read BranchAttention
+        check_tree_attention_installed(self.compilation_config.static_forward_context,
+                                       target_layers + sorted(draft_layers))
+        from .requests import install_full_logitsprocs
+        from .startup_checks import check_at_startup
+
+        check_at_startup(self, target_layers, sorted(draft_layers))  # layouts/variants: refuse now, not per request
+        install_full_logitsprocs(self)  # logit_bias, min_p, entry-point processors apply as without speculation
 
     def _layer_kv(self, name: str) -> torch.Tensor:
         kv = self.compilation_config.static_forward_context[name].kv_cache
         return kv[0] if isinstance(kv, list) else kv
 
-    def _draft_layer(self) -> tuple[str, int]:
-        names = sorted(self.drafter._draft_attn_layer_names)
-        if len(names) != 1:
-            raise RuntimeError(f"spec-plugins expects a one-layer EAGLE head, vLLM built draft layers {names}")
-        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            if names[0] in group.layer_names:
-                return names[0], gid
-        raise RuntimeError(f"draft layer {names[0]} is in no KV cache group")
-
-    def _paged_head_kv(self) -> tuple[PagedHeadKV, int]:
-        name, gid = self._draft_layer()
-        if self._head_kv is None:
-            self._head_kv = PagedHeadKV(*self.kv_views(self._layer_kv(name)))
-            c = self.tree_proposer.head.c
-            if tuple(self._head_kv.k.shape[2:]) != (c.num_key_value_heads, c.head_dim):
-                raise RuntimeError(f"drafter KV cache heads {tuple(self._head_kv.k.shape[2:])} do not match the "
-                                   f"head's ({c.num_key_value_heads}, {c.head_dim})")
-        return self._head_kv, gid
+    def _draft_kv_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_views(self._layer_kv(self.tree_drafter.layer_name))
 
     # ---------------------------------------------------------- vLLM overrides
     def _update_states(self, scheduler_output):
@@ -189,16 +200,6 @@ class TreeRunnerMixin:
         self._step_forward = time.perf_counter() - t0
         return out
 
-    def sample_tokens(self, *args, **kwargs):
-        had_trees = bool(self._step_groups)
-        t0 = time.perf_counter()
-        draft_before = self.tree_stats.draft_seconds
-        out = super().sample_tokens(*args, **kwargs)
-        if had_trees:
-            self.tree_stats.verify_seconds += (self._step_forward + time.perf_counter() - t0
-                                               - (self.tree_stats.draft_seconds - draft_before))
-        return out
-
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._step_groups = self._group_step_trees(scheduler_output.scheduled_spec_decode_tokens)
@@ -206,14 +207,18 @@ class TreeRunnerMixin:
             for T, g in self._step_groups.items():
                 idx = (g.q_starts[:, None] + torch.arange(T, device=g.q_starts.device)).flatten()
                 self.positions[idx.to(self.positions.device)] = g.build.positions.flatten().to(self.positions.dtype)
+            num_tree_rows = sum(len(g.rows) * T for T, g in self._step_groups.items())
             publish_verify_trees(VerifyTrees(
                 mode=self.tree_settings.mask_mode,
                 groups={T: (torch.as_tensor(g.rows, device=self.device), g.q_starts, g.context_lens,
                             g.build.tree_mask) for T, g in self._step_groups.items()},
+                max_context=max(g.max_context for g in self._step_groups.values()),
+                covers_batch=num_tree_rows == scheduler_output.total_num_scheduled_tokens,
             ))
         return result
 
     def _group_step_trees(self, scheduled_spec: dict) -> dict[int, TreeGroup]:
+        t0 = time.perf_counter()
         by_size: dict[int, list] = {}
         q_start_loc = self.query_start_loc.np
         for req_id, drafts in scheduled_spec.items():
@@ -222,8 +227,8 @@ class TreeRunnerMixin:
             row = self.input_batch.req_id_to_index[req_id]
             n = len(drafts)
             drafted = self._drafted.get(req_id)
-            if drafted is not None and drafted.tokens[:n] == list(drafts):
-                parents = drafted.parents[: n + 1]
+            if drafted is not None and drafted[0][:n] == list(drafts):
+                parents = drafted[1][: n + 1]
             else:
                 parents = [-1] + list(range(n))  # not ours: a chain is a tree too, and verifies exactly
                 self.tree_stats.chain_fallbacks += 1
@@ -243,14 +248,18 @@ class TreeRunnerMixin:
             build = stk.TreeBuild(*(t.to(dev, non_blocking=True) for t in build))
             groups[T] = TreeGroup(rows=rows, q_starts=torch.tensor(q0s, dtype=torch.int64).to(dev),
                                   context_lens=ctx_t.to(dev), candidates=torch.tensor(cands, dtype=torch.int64).to(dev),
-                                  build=build, max_depth=max_depth)
+                                  build=build, max_depth=max_depth, max_context=max(ctxs), contexts=ctxs)
+        self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return groups
 
     def _sample(self, logits, spec_decode_metadata):
         groups, self._step_groups = self._step_groups, {}
-        publish_verify_trees(None)
         self._accepted_paths = {}
-        if not groups or spec_decode_metadata is None:
+        t0 = time.perf_counter()
+        # vLLM's rejection sampler (which it uses whenever spec metadata exists, even
+        # with no drafts) drops logprob_token_ids: those steps take the path below.
+        scored = bool(self.input_batch.sampling_metadata.logprob_token_ids)
+        if spec_decode_metadata is None or not (groups or scored):
             return super()._sample(logits, spec_decode_metadata)
         self.input_batch.update_async_output_token_ids()
         md = spec_decode_metadata
@@ -262,6 +271,7 @@ class TreeRunnerMixin:
             rows = torch.as_tensor(first_row[g.rows], device=logits.device)[:, None] + torch.arange(
                 T, device=logits.device)
             predict = logits[rows.flatten()].argmax(-1).view(len(g.rows), T).to(torch.int64)
+            g.predict = predict  # the head's extend reads each node's successor from it
             res = stk.verify_tree_greedy(g.candidates, g.build.retrieve_next_token, g.build.retrieve_next_sibling,
                                          predict, max(g.max_depth, 1), impl=self.tree_impl)
             lengths = res.accept_length.tolist()
@@ -280,7 +290,7 @@ class TreeRunnerMixin:
                 chain_drafts.append([])
         chain_logits = logits[torch.cat(pieces).to(logits.device)]
         sampling_metadata = self.input_batch.sampling_metadata
-        if sampling_metadata.all_greedy:
+        if sampling_metadata.all_greedy and not sampling_metadata.logprob_token_ids:  # the rejection sampler drops those
             if sampling_metadata.spec_token_ids is not None:  # penalties / bad words read drafts as history
                 sampling_metadata = replace(sampling_metadata, spec_token_ids=chain_drafts)
             out = self.rejection_sampler(chain_spec_decode_metadata(chain_drafts, logits.device), None,
@@ -288,13 +298,15 @@ class TreeRunnerMixin:
         else:
             out = self._sample_mixed_batch(chain_logits, chain_drafts, sampling_metadata)
         emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
-        self._accepted_paths = {row: path[: emitted[row]] for row, path in paths.items()}
-        if self.injected_fault == "accept_extra":
-            self._inject_accept_extra(out, groups, emitted)
-        if self.injected_fault != "skip_kv_move":
-            self._move_accepted_kv(groups)
-        self.tree_stats.verify_steps += 1
+        self._accepted_paths = {row: path[: emitted[row]].tolist() for row, path in paths.items()}
+        self._verified = groups  # their KV moves after the head's extend (``propose_draft_token_ids``)
+        self.after_tree_sampling(out, groups, emitted)
+        self.tree_stats.verify_steps += bool(groups)
+        self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return out
+
+    def after_tree_sampling(self, out, groups: dict[int, TreeGroup], emitted: list[int]) -> None:
+        """Hook for the test-only faults of ``faults.py``; nothing to do here."""
 
     def _sample_mixed_batch(self, chain_logits, chain_drafts: list[list[int]], sampling_metadata):
         """Batches with sampled (temperature > 0) requests.
@@ -305,146 +317,149 @@ class TreeRunnerMixin:
         (same RNG use for sampled requests, argmax for greedy ones) and each
         tree's path, already verified on the argmax, is emitted before it.
         Only plain greedy requests are speculated (``_may_speculate``), so the
-        argmax walk needs no logits processing. Logprobs: raw, from the rows.
+        argmax walk needs no logits processing. Logprobs: the Sampler's, of
+        each request's row (requests that want them are not speculated).
         """
         from vllm.v1.outputs import SamplerOutput
-        from vllm.v1.sample.sampler import Sampler
+
+        from .requests import spread_bonus_logprobs
 
         counts = np.array([len(d) + 1 for d in chain_drafts])
         last = torch.as_tensor(np.cumsum(counts) - 1, device=chain_logits.device)
-        bonus = self.sampler(logits=chain_logits[last], sampling_metadata=replace(sampling_metadata,
-                                                                                   max_num_logprobs=None))
+        bonus = self.sampler(logits=chain_logits[last], sampling_metadata=sampling_metadata)
         width = int(counts.max())
         grid = torch.full((len(counts), width), -1, dtype=torch.int32, device=chain_logits.device)
-        grid_rows = torch.zeros(len(counts), width, dtype=torch.int64, device=chain_logits.device)
         for row, drafts in enumerate(chain_drafts):
             n = len(drafts)
             if n:
                 grid[row, :n] = torch.tensor(drafts, dtype=torch.int32)
             grid[row, n] = bonus.sampled_token_ids[row, 0]
-            grid_rows[row, : n + 1] = int(last[row]) - n + torch.arange(n + 1)
-        logprobs = None
-        if sampling_metadata.max_num_logprobs is not None:
-            lp = Sampler.compute_logprobs(chain_logits[grid_rows.flatten()])
-            logprobs = Sampler.gather_logprobs(lp, sampling_metadata.max_num_logprobs,
-                                               grid.flatten().clamp(min=0).to(torch.int64))
-        return SamplerOutput(sampled_token_ids=grid, logprobs_tensors=logprobs)
-
-    def _inject_accept_extra(self, out, groups: dict[int, TreeGroup], emitted: list[int]) -> None:
-        """TEST-ONLY fault: the first rejected child of the last accepted node is
-        emitted in place of the bonus token (an off-by-one in the walk)."""
-        for g in groups.values():
-            for b, row in enumerate(g.rows):
-                last = int(self._accepted_paths[row][-1])
-                child = int(g.build.retrieve_next_token[b, last])
-                if child >= 0:
-                    out.sampled_token_ids[row, emitted[row] - 1] = g.candidates[b, child]
+        # Logprobs (top-k or logprob_token_ids): vLLM's own, from the sampler's row of each request.
+        return SamplerOutput(sampled_token_ids=grid,
+                             logprobs_tensors=spread_bonus_logprobs(bonus.logprobs_tensors, counts, grid))
 
     def _move_accepted_kv(self, groups: dict[int, TreeGroup]) -> None:
-        draft_layers = set(self.drafter._draft_attn_layer_names)
+        """Each tree's accepted nodes' K/V to the front of its verify slots (slot of
+        depth d <- node a_d), for every layer of every KV cache group: the target's
+        and the head's (whose extend wrote node-aligned KV like the target)."""
         for gid, kv_group in enumerate(self.kv_cache_config.kv_cache_groups):
-            names = [n for n in kv_group.layer_names if n not in draft_layers]
-            if not names:
-                continue
-            caches = [view for n in names for view in self.kv_views(self._layer_kv(n))]
+            caches = [view for n in kv_group.layer_names for view in self.kv_views(self._layer_kv(n))]
             slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu
             for T, g in groups.items():
                 slots = slot_mapping[(g.q_starts[:, None] + torch.arange(T, device=g.q_starts.device)).to(
                     slot_mapping.device)].to(torch.int64)
+                paths = [self._accepted_paths[row] for row in g.rows]
                 width = g.max_depth + 1
-                accept_index = torch.full((len(g.rows), width), -1, dtype=torch.int64, device=slots.device)
-                accept_length = torch.zeros(len(g.rows), dtype=torch.int64, device=slots.device)
-                for b, row in enumerate(g.rows):
-                    path = self._accepted_paths[row]
-                    accept_index[b, : len(path)] = path
-                    accept_length[b] = len(path) - 1
-                stk.move_accepted_kv(caches, slots, accept_index, accept_length, impl=self.tree_impl)
+                accept_index = torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.int64)
+                accept_length = torch.tensor([len(p) - 1 for p in paths], dtype=torch.int64)
+                stk.move_accepted_kv(caches, slots, accept_index.to(slots.device), accept_length.to(slots.device),
+                                     impl=self.tree_impl)
+
+    def _commit_verified_trees(self) -> None:
+        """End of a tree step: withdraw the trees from attention, move the accepted KV."""
+        groups, self._verified = self._verified, {}
+        publish_verify_trees(None)
+        if groups:
+            self._move_accepted_kv(groups)
+
+    def sample_tokens(self, *args, **kwargs):
+        had_trees = bool(self._step_groups)
+        t0 = time.perf_counter()
+        draft_before = self.tree_stats.draft_seconds
+        out = super().sample_tokens(*args, **kwargs)
+        self._commit_verified_trees()  # normally done by propose_draft_token_ids; here if vLLM skipped drafting
+        if had_trees:
+            self.tree_stats.verify_seconds += (self._step_forward + time.perf_counter() - t0
+                                               - (self.tree_stats.draft_seconds - draft_before))
+        return out
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
+        """One drafting step for the batch: head extend, KV commit, tree drafting."""
         t0 = time.perf_counter()
-        drafts = self._propose_trees(scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states)
-        self.tree_stats.draft_seconds += time.perf_counter() - t0
-        self.tree_stats.draft_calls += 1
+        step = self._drafting_step(scheduler_output.total_num_scheduled_tokens)
+        input_ids = self._extend_input_ids(step, sampled_token_ids)
+        features = self.tree_drafter.features(hidden_states[: step.num_rows],
+                                              [h[: step.num_rows] for h in aux_hidden_states or []])
+        t1 = time.perf_counter()
+        last_hidden, next_hidden = self.tree_drafter.extend(common_attn_metadata, input_ids,
+                                                            self.positions[: step.num_rows], features)
+        t2 = time.perf_counter()
+        self._commit_verified_trees()
+        t3 = time.perf_counter()
+        drafts = self._draft_trees(step, last_hidden, next_hidden)
+        t4 = time.perf_counter()
+        stats = self.tree_stats
+        stats.head_seconds += (t2 - t1) + (t4 - t3)
+        stats.bookkeeping_seconds += (t1 - t0) + (t3 - t2)
+        stats.draft_seconds += t4 - t0
+        stats.draft_calls += 1
         return drafts
 
-    def _propose_trees(self, scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states):
-        accepted, self._accepted_paths = self._accepted_paths, {}
-        kv, gid = self._paged_head_kv()
-        block_table = self.input_batch.block_table[gid]
-        slot_mapping = block_table.slot_mapping.gpu
-        sampled = sampled_token_ids.to("cpu") if torch.is_tensor(sampled_token_ids) else None
-        if self.tree_proposer.kind == "eagle3":
-            features = torch.stack(aux_hidden_states, dim=1)  # [tokens, n_aux, H]
-        else:
-            features = hidden_states
-        discard = self.discard_request_mask.np
-        q_start_loc = self.query_start_loc.np
-        token_ids = self.input_batch.token_ids_cpu
-        drafts: list[list[int]] = []
-        for row, req_id in enumerate(self.input_batch.req_ids):
-            n = scheduler_output.num_scheduled_tokens[req_id]
-            q0 = int(q_start_loc[row])
-            start = int(self.input_batch.num_computed_tokens_cpu[row])
-            if row in accepted:
-                path = accepted[row]
-                m = len(path)
-                token_rows = q0 + path
-                next_tokens = sampled[row, :m].to(torch.int64)
-            else:
-                m = n
-                token_rows = q0 + torch.arange(n)
-                last = int(sampled[row, 0]) if not discard[row] else int(token_ids[row, start + n])
-                self.tree_stats.prefill_chunks += int(discard[row])
-                next_tokens = torch.tensor([*token_ids[row, start + 1 : start + n].tolist(), last], dtype=torch.int64)
-            inp = ExtendInput(
-                next_tokens=next_tokens.to(self.device),
-                features=features[token_rows.to(features.device)],
-                start=start,
-                slots=slot_mapping[q0 : q0 + m].to(torch.int64),
-                block_row=block_table.block_table.np[row],
-                draft=not discard[row] and self._may_speculate(req_id),
-            )
-            tree = self.tree_proposer.extend_and_draft(inp, kv)
-            if tree is None:
-                self._drafted.pop(req_id, None)
-                self.tree_stats.not_speculated += 1
-                drafts.append([])
-            else:
-                self._drafted[req_id] = tree
-                drafts.append(tree.tokens)
+    def _drafting_step(self, num_rows: int) -> "DraftingStep":
+        """Host bookkeeping of this step's requests (numpy over the batch)."""
+        R = self.input_batch.num_reqs
+        q_start = self.query_start_loc.np[: R + 1].astype(np.int64)
+        scheduled = np.diff(q_start)
+        start = self.input_batch.num_computed_tokens_cpu[:R].astype(np.int64)
+        discard = self.discard_request_mask.np[:R].astype(bool)
+        last_row = q_start[:R] + scheduled - 1  # the row whose head output drafts the next tree
+        committed = scheduled.copy()
+        for row, path in self._accepted_paths.items():  # tree requests commit their accepted path
+            last_row[row] = q_start[row] + path[-1]
+            committed[row] = len(path)
+        self.tree_stats.prefill_chunks += int(discard.sum())
+        may = np.array([not discard[r] and self._may_speculate(req_id)
+                        for r, req_id in enumerate(self.input_batch.req_ids[:R])], dtype=bool)
+        return DraftingStep(num_rows=num_rows, q_start=q_start, scheduled=scheduled, start=start, discard=discard,
+                            last_row=last_row, kv_len=start + committed, drafting=np.flatnonzero(may))
+
+    def _extend_input_ids(self, step: "DraftingStep", sampled_token_ids: torch.Tensor) -> torch.Tensor:
+        """[N] the token that follows each row: the next prompt token inside a
+        chunk, the sampled (or, mid-prefill, the next prompt) token at a
+        request's last row, the target's argmax at a tree node."""
+        ids = self.input_ids.gpu[: step.num_rows]
+        next_ids = torch.empty_like(ids)
+        next_ids[:-1] = ids[1:]
+        R = len(step.scheduled)
+        valid = (sampled_token_ids != -1).sum(dim=1).clamp(min=1)
+        sampled = sampled_token_ids.gather(1, (valid - 1)[:, None])[:, 0].to(ids.dtype)
+        ahead = np.minimum(step.start + step.scheduled, self.input_batch.token_ids_cpu.shape[1] - 1)
+        prompt_next = torch.from_numpy(self.input_batch.token_ids_cpu[np.arange(R), ahead].astype(np.int32))
+        discard = torch.from_numpy(step.discard).to(ids.device)
+        last_rows = torch.from_numpy(step.q_start[1:] - 1).to(ids.device)
+        next_ids[last_rows] = torch.where(discard, prompt_next.to(ids.device), sampled[:R])
+        for T, g in self._verified.items():
+            rows = (g.q_starts[:, None] + torch.arange(T, device=g.q_starts.device)).flatten()
+            next_ids[rows.to(ids.device)] = g.predict.flatten().to(ids.dtype)
+        return next_ids
+
+    def _draft_trees(self, step: "DraftingStep", last_hidden: torch.Tensor, next_hidden: torch.Tensor):
+        R = len(step.scheduled)
+        req_ids = self.input_batch.req_ids[:R]
+        drafts: list[list[int]] = [[] for _ in range(R)]
+        for r in np.setdiff1d(np.arange(R), step.drafting):
+            self._drafted.pop(req_ids[r], None)
+        self.tree_stats.not_speculated += R - len(step.drafting)
+        if len(step.drafting) == 0:
+            return drafts
+        rows = step.drafting
+        dev = last_hidden.device
+        sample_rows = torch.from_numpy(step.last_row[rows]).to(dev)
+        block_table = self.input_batch.block_table[self.drafter.kv_cache_gid].block_table.gpu
+        trees = self.tree_drafter.draft(last_hidden[sample_rows], next_hidden[sample_rows],
+                                        torch.from_numpy(step.kv_len[rows]).to(dev), int(step.kv_len[rows].max()),
+                                        block_table[torch.from_numpy(rows).to(block_table.device)],
+                                        self._draft_kv_views())
+        tokens, parents = trees.tokens.tolist(), trees.parents.tolist()  # the one host copy of the drafts
+        for i, r in enumerate(rows):
+            drafts[r] = tokens[i]
+            self._drafted[req_ids[r]] = (tokens[i], parents[i])
         return drafts
 
     def _may_speculate(self, req_id: str) -> bool:
-        """Plain greedy requests: temperature 0 and nothing that makes the next
-        token differ from the raw argmax (penalties, bad words, allowed tokens,
-        min_tokens, logits processors, structured output) and no logprobs. The
-        rest decode one token per step, exactly as without speculation."""
-        from vllm.sampling_params import SamplingType
+        from .requests import may_speculate  # the per-request rule lives there
 
-        p = self.requests[req_id].sampling_params
-        if p is None or p.sampling_type != SamplingType.GREEDY:
-            return False
-        return not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                    or p.bad_words or p.allowed_token_ids or p.min_tokens or getattr(p, "logits_processors", None)
-                    or p.logprobs is not None or getattr(p, "structured_outputs", None) is not None)
-
-
-# ----------------------------------------------------------------- concrete
-
-
-class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
-    def kv_views(self, kv_cache):
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        block_size, head_size = kv_cache.shape[2], kv_cache.shape[3] // 2
-        isa = _get_attn_isa(kv_cache.dtype, block_size, head_size, self.cache_config.cache_dtype)
-        return cpu_kv_views(kv_cache, isa)
-
-
-class TreeGPUModelRunner(TreeRunnerMixin, GPUModelRunner):
-    tree_impl = "auto"  # Triton select, CUDA build/verify/KV move
-
-    def kv_views(self, kv_cache):
-        return flash_kv_views(kv_cache)
+        return may_speculate(self.requests[req_id].sampling_params, self.input_batch.req_id_to_index.get(req_id),
+                             self.input_batch.logitsprocs)

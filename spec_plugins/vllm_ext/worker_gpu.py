@@ -12,6 +12,7 @@ import logging
 
 from vllm.v1.worker.gpu_worker import Worker
 
+from .faults import with_test_faults
 from .seams import check_seams
 from .worker import TreeStatsMixin, require_v1_runner
 
@@ -30,9 +31,9 @@ class TreeGPUWorker(TreeStatsMixin, Worker):
 
     def _make_model_runner(self):
         require_v1_runner(self)
-        from .runner import TreeGPUModelRunner
+        from .runner_gpu import TreeGPUModelRunner
 
-        return TreeGPUModelRunner(self.vllm_config, self.device)
+        return with_test_faults(TreeGPUModelRunner)(self.vllm_config, self.device)
 
     def load_model(self, *args, **kwargs):
         prepare_tree_kernels(self.device)

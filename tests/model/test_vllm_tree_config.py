@@ -212,10 +212,10 @@ def test_head_that_does_not_fit_the_target_is_refused(change, needle):
 
 
 @pytest.mark.parametrize("layout", ["cpu_vec_fp32", "flash"])
-def test_overwrite_tree_rows_matches_brute_force(layout):
-    """The adapter around tree_attention: rows of each published tree are
+def test_compute_tree_rows_matches_brute_force(layout):
+    """The adapter around tree attention: rows of each published tree are
     replaced by prefix + ancestors attention, other rows are left alone, for the
-    CPU cache layout and FlashAttention's (torch reference on CPU tensors)."""
+    CPU cache layout and FlashAttention's (the torch plan/run on CPU tensors)."""
     import numpy as np
 
     import spec_tree_kernels as stk
@@ -243,11 +243,8 @@ def test_overwrite_tree_rows_matches_brute_force(layout):
                                      "ANCESTOR_BITMASK")
         groups[nodes] = (torch.tensor(rows), torch.tensor([int(q_start[r]) for r in rows]),
                          torch.tensor([ctx[r] for r in rows]), tree.tree_mask)
-    A.publish_verify_trees(A.VerifyTrees(mode="ANCESTOR_BITMASK", groups=groups))
-    try:
-        A.overwrite_tree_rows(query, output, k_view, v_view, block_table, heads, dim, dim ** -0.5, impl="torch")
-    finally:
-        A.publish_verify_trees(None)
+    trees = A.VerifyTrees(mode="ANCESTOR_BITMASK", groups=groups, max_context=max(ctx.values()))
+    A.compute_tree_rows(trees, query, output, k_view, v_view, block_table, heads, dim, dim ** -0.5, impl="torch")
     out = output.view(-1, heads, dim)
     assert torch.equal(out[int(q_start[1])], torch.full((heads, dim), 7.0))  # the plain row is untouched
     for r, par in parents.items():

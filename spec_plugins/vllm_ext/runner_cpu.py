@@ -1,0 +1,21 @@
+"""``TreeCPUModelRunner``: the tree runner over vLLM-CPU's V1 runner.
+
+CPU only (imports vLLM's CPU runner and attention modules); ``TreeCPUWorker``
+builds it.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from .attention_cpu import cpu_kv_views
+from .runner import TreeRunnerMixin
+
+
+class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
+    def kv_views(self, kv_cache):
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        block_size, head_size = kv_cache.shape[2], kv_cache.shape[3] // 2
+        isa = _get_attn_isa(kv_cache.dtype, block_size, head_size, self.cache_config.cache_dtype)
+        return cpu_kv_views(kv_cache, isa)
