@@ -163,7 +163,7 @@ def step_v1_runner():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from spec_plugins.vllm_ext import config, runner, worker_gpu
+    from spec_plugins.vllm_ext import config, worker_gpu
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     config.prepare_gpu_engine_args(EngineArgs())
@@ -172,7 +172,7 @@ def step_v1_runner():
     # the features that force V2 (HiSparse, watermarking)
     no_v2_features = types.SimpleNamespace(attention_config=types.SimpleNamespace(hisparse_config=None))
     assert VllmConfig.use_v2_model_runner.fget(no_v2_features) is False
-    assert issubclass(runner.TreeGPUModelRunner, GPUModelRunner)
+    assert issubclass(tree_gpu_runner_class(), GPUModelRunner)
     worker = object.__new__(worker_gpu.TreeGPUWorker)
     worker.use_v2_model_runner = True
     try:
@@ -181,6 +181,20 @@ def step_v1_runner():
         assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(exc), exc
     else:
         raise AssertionError("the V2 runner was not refused")
+
+
+def tree_gpu_runner_class():
+    """``TreeGPUModelRunner`` from runner_gpu.py (the split layout) or runner.py."""
+    for name in ("spec_plugins.vllm_ext.runner_gpu", "spec_plugins.vllm_ext.runner"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        if hasattr(module, "TreeGPUModelRunner"):
+            return module.TreeGPUModelRunner
+    raise AssertionError("no TreeGPUModelRunner in spec_plugins.vllm_ext.runner_gpu or .runner")
 
 
 def step_cudagraph_mode():
