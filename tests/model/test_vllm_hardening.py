@@ -168,13 +168,13 @@ def test_tiled_cpu_k_layout_is_refused_at_startup(ban_plugin, monkeypatch):
     verdict is simulated (the only mock here: hardware this CPU lacks)."""
     from vllm import LLM
 
-    from spec_plugins.vllm_ext import attention
+    from spec_plugins.vllm_ext import attention_cpu
 
     if not torch.cpu._is_amx_tile_supported():
         def tiled(isa, dtype, block_size, head_size):
             raise RuntimeError(f"spec-plugins: vLLM's CPU attention (isa={isa}, {dtype}) stores K in a tiled layout")
 
-        monkeypatch.setattr(attention, "_cpu_key_strides", tiled)
+        monkeypatch.setattr(attention_cpu, "_cpu_key_strides", tiled)
     with pytest.raises(Exception, match="tiled layout"):
         LLM(**tree_kwargs(dtype="bfloat16"))
     gc.collect()

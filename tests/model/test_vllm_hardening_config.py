@@ -104,7 +104,7 @@ def test_attention_variants_are_refused_naming_the_option(tmp_path, override, ne
 def cpu_impl(**kw):
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from spec_plugins.vllm_ext.attention import TreeCPUAttentionImpl
+    from spec_plugins.vllm_ext.attention_cpu import TreeCPUAttentionImpl
 
     args = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
                 kv_cache_dtype="auto")
