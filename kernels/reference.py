@@ -187,7 +187,7 @@ def encode_mask(
         width = seq_lens + nodes
         idx = torch.arange(nodes, device=device)
         cell = row_start[:, None, None] + width[:, None, None] * idx[None, :, None] + seq_lens[:, None, None] + idx[None, None, :]
-        out[cell.flatten()] = anc.flatten()
+        out[cell.flatten()] = anc.flatten().to(out.dtype)  # SGLang's Triton backend hands a uint8 buffer
     elif mode in (TreeMaskMode.QLEN_ONLY_BITPACKING, TreeMaskMode.ANCESTOR_BITMASK):
         if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
             words, word_bits = 1, 8 * bitpacked_word_bytes(nodes)

@@ -28,9 +28,9 @@ TOPK, STEPS, NODES = 3, 3, 7
 SLACK = 29  # buffer entries beyond what the batch needs (SGLang sizes for max_bs and the longest context)
 
 
-def stale_buffer(size: int, device) -> torch.Tensor:
+def stale_buffer(size: int, device, dtype=torch.bool) -> torch.Tensor:
     """A buffer as the previous step left it: no prefix bit set."""
-    return torch.zeros(size, dtype=torch.bool, device=device)
+    return torch.zeros(size, dtype=dtype, device=device)
 
 
 def case(batch: int, seed: int, device):
@@ -89,15 +89,17 @@ def build(request):
     return builders(request)
 
 
+# bool: SGLang's FULL_MASK allocation; uint8: the buffer its Triton verify backend preallocates
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8], ids=["bool", "uint8"])
 @pytest.mark.parametrize("seq_lens_sum", ["zero", "exact"])
-def test_preallocated_full_mask_is_filled_whole(build, seq_lens_sum):
+def test_preallocated_full_mask_is_filled_whole(build, seq_lens_sum, dtype):
     device, run = build
     selected, parent_list, seq_lens = case(batch=3, seed=19, device=device)
     needed = int(seq_lens.sum()) * NODES + NODES * NODES * 3
-    buf = stale_buffer(needed + SLACK, device)
+    buf = stale_buffer(needed + SLACK, device, dtype)
     tree = run(selected, parent_list, seq_lens, 0 if seq_lens_sum == "zero" else int(seq_lens.sum()), buf)
     assert tree.tree_mask.data_ptr() == buf.data_ptr()
-    assert buf.tolist() == expected_mask(selected, parent_list, seq_lens, buf.numel())
+    assert buf.bool().tolist() == expected_mask(selected, parent_list, seq_lens, buf.numel())
 
 
 def test_empty_batch_fills_the_buffer(build):
