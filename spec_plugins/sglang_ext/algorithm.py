@@ -6,7 +6,6 @@ Imported only from ``register()`` (SGLang must be importable).
 from __future__ import annotations
 
 import logging
-import os
 
 import spec_tree_kernels as stk
 
@@ -16,7 +15,6 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 from .config import (
     ALGORITHM_NAME,
     OUR_BACKENDS,
-    VARIANT_ENV,
     detect_variant,
     requested_mask_mode,
     requested_variant,
@@ -38,8 +36,6 @@ class EagleTreeSpecAlgo(CustomSpecAlgo):
     delegating to ``SpeculativeAlgorithm``'s own implementations with ``self``
     standing in for ``SpeculativeAlgorithm.EAGLE`` / ``EAGLE3``.
     """
-
-    _variant = None
 
     # --- EAGLE family identity
     def is_eagle(self) -> bool:
@@ -74,12 +70,14 @@ class EagleTreeSpecAlgo(CustomSpecAlgo):
 
     # --- EAGLE-1 vs EAGLE-3
     def variant(self) -> str:
+        """The user's SPEC_PLUGINS_EAGLE_TREE_VARIANT, else what the published
+        server args' draft head declares. SGLang keeps one instance of this
+        class per process, so the detection is cached per head, never once
+        for the process: a second Engine with another head gets its own."""
         explicit = requested_variant()
         if explicit is not None:
             return explicit
-        if self._variant is None:
-            self._variant = _variant_from_runtime()
-        return self._variant
+        return _variant_from_runtime()
 
 
 def make_spec_class():
@@ -93,19 +91,33 @@ def _draft_architectures(path, trust_remote_code=False, revision=None) -> list:
     return list(getattr(config, "architectures", None) or [])
 
 
+_DETECTED: dict = {}  # (draft path, revision) -> variant
+
+
 def _variant_from_runtime() -> str:
-    """Variant from the published speculative config (scheduler processes
-    started without the resolution hook's environment record)."""
+    """Variant of the draft head in this process's published speculative
+    config (what SGLang's scheduler and workers read)."""
     try:
         from sglang.srt.runtime_context import get_spec
 
         spec = get_spec()
-        path = spec.speculative_draft_model_path
-        if path:
-            return detect_variant(_draft_architectures(path, revision=spec.speculative_draft_model_revision))
+        key = (spec.speculative_draft_model_path, spec.speculative_draft_model_revision)
+    except Exception as err:  # noqa: BLE001 - no published config in this process
+        logger.warning("%s: no published speculative config (%s); assuming EAGLE", ALGORITHM_NAME, err)
+        return "EAGLE"
+    if key[0] is None:
+        return "EAGLE"
+    if key not in _DETECTED:
+        _DETECTED[key] = _detect_or_eagle(*key)
+    return _DETECTED[key]
+
+
+def _detect_or_eagle(path, revision) -> str:
+    try:
+        return detect_variant(_draft_architectures(path, revision=revision))
     except Exception as err:  # noqa: BLE001 - detection is best effort here
         logger.warning("%s: could not read the draft head's config (%s); assuming EAGLE", ALGORITHM_NAME, err)
-    return "EAGLE"
+        return "EAGLE"
 
 
 # ------------------------------------------------------------ resolution
@@ -123,6 +135,18 @@ def handle_speculative_decoding_hook(server_args, previous):
     resolve_eagle_tree(server_args)
 
 
+def detect_head_variant(view) -> str:
+    """EAGLE / EAGLE3 from the head's config, cached for this head.
+
+    Not written to the environment: the scheduler processes detect it from
+    the published server args themselves (a recorded value would leak into
+    the next Engine of this process, whose head may be the other kind)."""
+    key = (view.speculative_draft_model_path, view.speculative_draft_model_revision)
+    variant = detect_variant(_draft_architectures(key[0], trust_remote_code=view.trust_remote_code, revision=key[1]))
+    _DETECTED[key] = variant
+    return variant
+
+
 def verify_attention_backend(view) -> str | None:
     """The backend that serves target verify (HybridAttnBackend's rule)."""
     from sglang.srt.arg_groups.model_override_base import attention_backends_of
@@ -137,39 +161,17 @@ def resolve_eagle_tree(server_args) -> None:
     """EAGLE family defaults and validation plus ours; raises ValueError with
     the offending flag on a configuration that cannot serve."""
     from sglang.srt.arg_groups.model_override_base import attention_backends_of
-    from sglang.srt.arg_groups.overrides import declare_resolution, resolved_view, resolving_view
+    from sglang.srt.arg_groups.overrides import resolved_view, resolving_view
     from sglang.srt.arg_groups.speculative_hook import _handle_eagle_family
-    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
-    source = "spec_plugins.eagle_tree"
     cfg = resolving_view(server_args)
-    if cfg.speculative_draft_model_path is None:
-        raise ValueError(f"{ALGORITHM_NAME} needs --speculative-draft-model-path (the EAGLE / EAGLE-3 head)")
-    if cfg.speculative_num_steps is None and (
-        cfg.speculative_eagle_topk is not None or cfg.speculative_num_draft_tokens is not None
-    ):
-        # SGLang asserts this without a message: it fills all three or none.
-        raise ValueError(
-            f"{ALGORITHM_NAME}: --speculative-eagle-topk / --speculative-num-draft-tokens need "
-            "--speculative-num-steps too (set all three, or none for SGLang's defaults)"
-        )
-    if cfg.enable_multi_layer_eagle:
-        raise ValueError(f"{ALGORITHM_NAME} does not support --enable-multi-layer-eagle")
-    mask_mode_request = requested_mask_mode()  # an unknown mode fails before anything else
+    check_flags_before_eagle_family(cfg)
+    mask_mode_request = requested_mask_mode()  # an unknown mode fails before SGLang's own checks
 
     _handle_eagle_family(server_args)
 
     view = resolved_view(server_args)
-    explicit = requested_variant()
-    variant = explicit or detect_variant(
-        _draft_architectures(
-            view.speculative_draft_model_path,
-            trust_remote_code=view.trust_remote_code,
-            revision=view.speculative_draft_model_revision,
-        )
-    )
-    os.environ[VARIANT_ENV] = variant  # inherited by the scheduler processes
-
+    variant = requested_variant() or detect_head_variant(view)
     prefill, decode = attention_backends_of(view)
     if (prefill in OUR_BACKENDS) != (decode in OUR_BACKENDS):
         raise ValueError(
@@ -185,27 +187,9 @@ def resolve_eagle_tree(server_args) -> None:
         )
     mode = resolve_mask_mode(mask_mode_request, backend)
     validate_tree(view.speculative_num_steps, topk, view.speculative_num_draft_tokens, mode)
-
     if backend in OUR_BACKENDS:
-        kv_dtype = str(view.kv_cache_dtype or "auto")
-        if kv_dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"):
-            raise ValueError(
-                f"{ALGORITHM_NAME}: attention backend {backend!r} reads the KV cache in the model dtype; "
-                f"--kv-cache-dtype {kv_dtype} is not supported"
-            )
-        logger.warning("%s: CUDA graphs are disabled with attention backend %r", ALGORITHM_NAME, backend)
-        for phase in (Phase.DECODE, Phase.PREFILL):
-            declare_resolution(
-                server_args,
-                source,
-                cuda_graph_config=with_phase(
-                    resolving_view(server_args).cuda_graph_config, phase, backend=Backend.DISABLED
-                ),
-            )
-        if view.speculative_draft_attention_backend is None:
-            draft_backend = "intel_amx" if str(view.device).startswith("cpu") else "triton"
-            declare_resolution(server_args, source, speculative_draft_attention_backend=draft_backend)
-            logger.info("%s: the draft head runs on attention backend %r", ALGORITHM_NAME, draft_backend)
+        check_our_backend_flags(view, backend)
+        declare_our_backend_settings(server_args, view, backend)
     nodes = view.speculative_num_draft_tokens
     logger.info(
         "%s: %s head, steps=%d topk=%d draft tokens=%d, tree mask %s (%d bytes per request at 4k context), "
@@ -219,3 +203,75 @@ def resolve_eagle_tree(server_args) -> None:
         stk.mask_bytes_per_request(mode, nodes, 4096),
         backend,
     )
+
+
+def check_flags_before_eagle_family(cfg) -> None:
+    """Ours first, where SGLang's EAGLE checks would fail less clearly."""
+    if cfg.speculative_draft_model_path is None:
+        raise ValueError(f"{ALGORITHM_NAME} needs --speculative-draft-model-path (the EAGLE / EAGLE-3 head)")
+    if cfg.speculative_num_steps is None and (
+        cfg.speculative_eagle_topk is not None or cfg.speculative_num_draft_tokens is not None
+    ):
+        # SGLang asserts this without a message: it fills all three or none.
+        raise ValueError(
+            f"{ALGORITHM_NAME}: --speculative-eagle-topk / --speculative-num-draft-tokens need "
+            "--speculative-num-steps too (set all three, or none for SGLang's defaults)"
+        )
+    if cfg.enable_multi_layer_eagle:
+        raise ValueError(f"{ALGORITHM_NAME} does not support --enable-multi-layer-eagle")
+    if (cfg.tokenizer_worker_num or 1) > 1:
+        # SGLang 0.5.23's tokenizer worker processes (uvicorn/granian workers
+        # started from http_server's app path) never call load_plugins, so
+        # EAGLE_TREE is unknown there: TokenizerManager.__init__ ->
+        # compute_num_reserved_tokens -> SpeculativeAlgorithm.from_string fails
+        # (tests/sglang/test_gpu_call_sites.py checks both facts).
+        raise ValueError(
+            f"{ALGORITHM_NAME} does not support --tokenizer-worker-num {cfg.tokenizer_worker_num}: SGLang's "
+            "tokenizer worker processes do not load plugins; use --tokenizer-worker-num 1"
+        )
+
+
+def check_our_backend_flags(view, backend: str) -> None:
+    """What our verify attention cannot serve, refused before any weights load."""
+    from sglang.srt.runtime_context import attn_dp_enabled_of
+
+    kv_dtype = str(view.kv_cache_dtype or "auto")
+    if kv_dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"):
+        raise ValueError(
+            f"{ALGORITHM_NAME}: attention backend {backend!r} reads the KV cache in the model dtype; "
+            f"--kv-cache-dtype {kv_dtype} is not supported"
+        )
+    # DP attention pads TARGET_VERIFY batches (ForwardBatch.prepare_mlp_sync_batch)
+    # beyond the requests our tree mask holds; two-batch overlap splits the
+    # mask with FULL_MASK offsets (two_batch_overlap.split_spec_info).
+    if attn_dp_enabled_of(view):
+        raise ValueError(
+            f"{ALGORITHM_NAME}: attention backend {backend!r} does not support DP attention "
+            f"(--attn-dp-size {view.attn_dp_size} / --enable-dp-attention): padded verify batches; "
+            "use one of SGLang's attention backends (FULL_MASK)"
+        )
+    if view.enable_two_batch_overlap:
+        raise ValueError(
+            f"{ALGORITHM_NAME}: attention backend {backend!r} does not support --enable-two-batch-overlap "
+            "(it splits the verify mask in FULL_MASK layout); use one of SGLang's attention backends"
+        )
+
+
+def declare_our_backend_settings(server_args, view, backend: str) -> None:
+    """CUDA graphs off (no graph-captured tree verify); a draft attention
+    backend of SGLang's (ours serves target verify only)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    source = "spec_plugins.eagle_tree"
+    logger.warning("%s: CUDA graphs are disabled with attention backend %r", ALGORITHM_NAME, backend)
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        declare_resolution(
+            server_args,
+            source,
+            cuda_graph_config=with_phase(resolving_view(server_args).cuda_graph_config, phase, backend=Backend.DISABLED),
+        )
+    if view.speculative_draft_attention_backend is None:
+        draft_backend = "intel_amx" if str(view.device).startswith("cpu") else "triton"
+        declare_resolution(server_args, source, speculative_draft_attention_backend=draft_backend)
+        logger.info("%s: the draft head runs on attention backend %r", ALGORITHM_NAME, draft_backend)

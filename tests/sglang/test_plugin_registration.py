@@ -15,6 +15,8 @@ PyPI), so the scheduler-facing methods are called directly.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from sglang_gate import require_sglang_venv
@@ -41,7 +43,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    # the resolution hook records the detected variant in the environment
+    # the user's knobs, unset unless a test sets them
     monkeypatch.delenv(config.VARIANT_ENV, raising=False)
     monkeypatch.delenv(config.MASK_MODE_ENV, raising=False)
     monkeypatch.delenv(engine_versions.ALLOW_UNTESTED_ENV, raising=False)
@@ -103,16 +105,22 @@ def test_scheduler_facing_methods(ckpt):
     assert worker_cls is EagleTreeWorker and issubclass(worker_cls, EAGLEWorkerV2)
 
 
-def test_variant_follows_the_head_config(ckpt, monkeypatch):
+def test_variant_follows_each_engines_head(ckpt, monkeypatch):
+    """Engines started one after another in one process, with heads of both
+    kinds (issue 19, item 7): each one's scheduler (here: this process after
+    ``publish``, as SGLang's scheduler does) sees its own head's variant, and
+    resolution leaves the environment alone (scheduler processes inherit it)."""
     algo = SpeculativeAlgorithm.from_string("EAGLE_TREE")
-    resolve(ckpt, head="eagle3_head")
-    assert algo.variant() == "EAGLE3" and algo.is_eagle3()
-    monkeypatch.delenv(config.VARIANT_ENV)
-    resolve(ckpt, head="eagle_head")
-    assert algo.variant() == "EAGLE" and not algo.is_eagle3()
-    monkeypatch.setenv(config.VARIANT_ENV, "eagle3")  # explicit override wins over detection
-    resolve(ckpt, head="eagle_head")
+    for head, eagle3 in (("eagle3_head", True), ("eagle_head", False), ("eagle3_head", True)):
+        server_args = resolve(ckpt, head=head)
+        assert config.VARIANT_ENV not in os.environ
+        _testing.publish(server_args)
+        assert (algo.variant(), algo.is_eagle3()) == (("EAGLE3", True) if eagle3 else ("EAGLE", False)), head
+    monkeypatch.setenv(config.VARIANT_ENV, "eagle3")  # the user's explicit override wins over detection
+    _testing.publish(resolve(ckpt, head="eagle_head"))
     assert algo.is_eagle3()
+    monkeypatch.delenv(config.VARIANT_ENV)
+    assert not algo.is_eagle3()  # and was not cached for that head
 
 
 def test_seams_resolve_and_a_moved_one_is_reported(monkeypatch):
@@ -219,6 +227,18 @@ STARTUP_ERRORS = [
         {}, {"prefill_attention_backend": "spec_tree", "decode_attention_backend": "triton",
              "attention_backend": None}, "for both prefill and decode", id="split-backends",
     ),
+    # issue 19, item 3: tokenizer worker processes never load plugins (any attention backend)
+    pytest.param({}, {"tokenizer_worker_num": 2}, "does not support --tokenizer-worker-num 2.*do not load plugins",
+                 id="tokenizer-workers"),
+    pytest.param({}, {"tokenizer_worker_num": 2, "attention_backend": "triton"}, "--tokenizer-worker-num 2",
+                 id="tokenizer-workers-sglang-backend"),
+    # issue 19, item 5: verify batches padded (DP attention) or split (two-batch overlap)
+    pytest.param({}, {"attn_dp_size": 2, "tp_size": 2}, "does not support DP attention \\(--attn-dp-size 2",
+                 id="dp-attention"),
+    pytest.param({}, {"enable_dp_attention": True, "dp_size": 2, "tp_size": 2}, "--enable-dp-attention",
+                 id="dp-attention-deprecated-flag"),
+    pytest.param({}, {"enable_two_batch_overlap": True}, "does not support --enable-two-batch-overlap",
+                 id="two-batch-overlap"),
     # SGLang's own EAGLE-family check (_handle_eagle_family), applied to EAGLE_TREE
     pytest.param({}, {"page_size": 4}, "speculative_eagle_topk > 1 with page_size > 1 is only supported on",
                  id="sglang-eagle-check-page-size"),
@@ -233,6 +253,13 @@ def test_clear_startup_errors(ckpt, monkeypatch, env, kwargs, message):
         resolve(ckpt, **kwargs)
 
 
+def test_sglang_backends_keep_dp_attention_and_two_batch_overlap(ckpt):
+    """They build SGLang's FULL_MASK, which SGLang itself pads and splits."""
+    view = resolved_view(resolve(ckpt, attention_backend="triton", attn_dp_size=2, tp_size=2))
+    assert view.attn_dp_size == 2
+    assert resolved_view(resolve(ckpt, attention_backend="triton", enable_two_batch_overlap=True)).enable_two_batch_overlap
+
+
 def test_other_algorithms_are_untouched(ckpt, monkeypatch):
     monkeypatch.setenv(config.MASK_MODE_ENV, "BOGUS")  # would fail EAGLE_TREE; EAGLE never reads it
     server_args = _testing.resolved_server_args(
@@ -241,4 +268,4 @@ def test_other_algorithms_are_untouched(ckpt, monkeypatch):
     )  # fmt: skip
     view = resolved_view(server_args)
     assert view.speculative_algorithm == "EAGLE" and view.speculative_draft_attention_backend is None
-    assert config.VARIANT_ENV not in __import__("os").environ
+    assert config.VARIANT_ENV not in os.environ
