@@ -70,6 +70,72 @@ def allocate_verify_mask(mode: TreeMaskMode, max_bs: int, nodes: int, device) ->
     raise ValueError(f"{BACKEND_TORCH}: tree attention does not read mask mode {mode.name}")
 
 
+# ----------------------------------------------- startup checks (model runner)
+# The backend is built after the model loads and the KV dtype is resolved, and
+# before the first request: what tree verify cannot serve fails here, naming
+# the option, rather than in the first verify step.
+
+
+def check_kv_cache_dtype(model_runner, backend_name: str) -> None:
+    """The pool's real dtype, as SGLang resolved it: ``--kv-cache-dtype auto``
+    becomes FP8 when the checkpoint declares FP8 KV quantization
+    (``mem_cache.kv_cache_dtype.configure_kv_cache_dtype``)."""
+    kv_dtype, model_dtype = getattr(model_runner, "kv_cache_dtype", None), getattr(model_runner, "dtype", None)
+    if kv_dtype is None or model_dtype is None or kv_dtype == model_dtype:
+        return
+    quant_config = getattr(getattr(model_runner, "model", None), "quant_config", None)
+    algo = getattr(quant_config, "kv_cache_quant_algo", None)
+    source = f" (the checkpoint declares {algo} KV cache quantization)" if algo else ""
+    raise ValueError(
+        f"{ALGORITHM_NAME}: attention backend {backend_name!r} reads the KV cache in the model dtype {model_dtype}, "
+        f"but the KV cache is {kv_dtype}{source}; pass --kv-cache-dtype matching the model dtype (bf16 for a bf16 "
+        "model), or use one of SGLang's attention backends"
+    )
+
+
+def check_target_layers(model, backend_name: str) -> None:
+    """Every attention layer of the target is one tree verify can compute."""
+    if model is None:
+        return
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    bad = []
+    for module in model.modules():
+        if not isinstance(module, RadixAttention):
+            continue
+        reasons = [
+            name for name, hit in (
+                ("logit capping", (module.logit_cap or 0) > 0),
+                ("sliding window", module.sliding_window_size > -1),
+                ("cross-attention", module.is_cross_attention),
+            ) if hit
+        ]  # fmt: skip
+        if reasons:
+            bad.append(f"layer {module.layer_id}: {', '.join(reasons)}")
+    if bad:
+        raise ValueError(
+            f"{ALGORITHM_NAME}: attention backend {backend_name!r} cannot verify trees on this model "
+            f"({'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''}); use one of SGLang's attention backends"
+        )
+
+
+def check_unpadded_verify_batches(backend_name: str) -> None:
+    """The verify mask holds the real requests; SGLang pads TARGET_VERIFY
+    batches under MLP sync (DP attention, gathered MoE buffers) and splits
+    them (two-batch overlap) in FULL_MASK layout. The resolution hook refuses
+    the flags; this catches any other route to either."""
+    from sglang.srt.runtime_context import get_exec
+    from sglang.srt.utils.common import require_mlp_sync
+
+    if require_mlp_sync():
+        raise ValueError(
+            f"{ALGORITHM_NAME}: attention backend {backend_name!r} does not support padded verify batches "
+            "(DP attention / --attn-dp-size, or MoE layouts that gather across DP ranks)"
+        )
+    if get_exec().overlap.enable_two_batch_overlap:
+        raise ValueError(f"{ALGORITHM_NAME}: attention backend {backend_name!r} does not support --enable-two-batch-overlap")
+
+
 class TreeVerifyMixin:
     """Target verify through ``tree_attention``; everything else is the parent's."""
 
@@ -82,6 +148,10 @@ class TreeVerifyMixin:
         window = getattr(model_runner, "sliding_window_size", None)
         if window is not None and window > 0:
             raise ValueError(f"attention backend {self.backend_name!r} does not support sliding-window attention")
+        if not getattr(model_runner, "is_draft_worker", False):  # the draft never runs target verify
+            check_kv_cache_dtype(model_runner, self.backend_name)
+            check_target_layers(getattr(model_runner, "model", None), self.backend_name)
+            check_unpadded_verify_batches(self.backend_name)
         self.tree_mask_mode = resolve_mask_mode(requested_mask_mode(), self.backend_name)
         self.tree_max_bs = model_runner.req_to_token_pool.size
         self.tree_num_draft_tokens = _spec_num_draft_tokens()
@@ -219,10 +289,9 @@ class TreeVerifyTorchNativeBackend(TreeVerifyMixin, TorchNativeAttnBackend):
 _TRITON_CLASS = None
 
 
-def make_triton_tree_backend(model_runner):
-    """``--attention-backend spec_tree_triton``: SGLang's Triton prefill/decode
-    (GPU), our verify. Built on first use: importing the Triton backend pulls
-    in its kernels."""
+def triton_tree_backend_class():
+    """The ``spec_tree_triton`` class, defined on first use: importing SGLang's
+    Triton backend pulls in its kernels."""
     global _TRITON_CLASS
     if _TRITON_CLASS is None:
         from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -237,4 +306,10 @@ def make_triton_tree_backend(model_runner):
                 self._init_tree_verify(model_runner)
 
         _TRITON_CLASS = TreeVerifyTritonBackend
-    return _TRITON_CLASS(model_runner)
+    return _TRITON_CLASS
+
+
+def make_triton_tree_backend(model_runner):
+    """``--attention-backend spec_tree_triton``: SGLang's Triton prefill/decode
+    (GPU), our verify."""
+    return triton_tree_backend_class()(model_runner)

@@ -5,7 +5,8 @@ test_plugin_registration.py). Real SGLang pieces: ``ReqToTokenPool``,
 ``MHATokenToKVPool``, ``ForwardBatch``, ``RadixAttention``, ``EagleVerifyInput``
 built by SGLang's own ``build_eagle_verify_input`` against our backend's
 ``verify_mask``, and ``TorchNativeAttnBackend`` for prefill/decode. Faked: the
-model runner (a namespace holding the pools; a real one loads a model) and the
+model runner (a namespace holding the pools, the dtypes and a module of
+RadixAttention layers standing for the model; a real one loads one) and the
 schedule batch handed to ``build_eagle_verify_input`` (a namespace with the
 fields it reads), plus ``torchvision`` (``spec_plugins.sglang_ext._testing``).
 
@@ -58,7 +59,14 @@ def published(tmp_path_factory):
     return server_args
 
 
-def make_runner(max_ctx=MAX_CTX):
+def target_model(*layers):
+    """The model a runner holds, as far as the backend inspects it: its
+    RadixAttention layers (default: two plain ones)."""
+    layers = layers or tuple(RadixAttention(HQ, DIM, DIM**-0.5, HKV, layer_id=i) for i in range(2))
+    return torch.nn.ModuleList(layers)
+
+
+def make_runner(max_ctx=MAX_CTX, model=None, kv_cache_dtype=torch.float32):
     r2t = ReqToTokenPool(size=6, max_context_len=max_ctx, device="cpu", enable_memory_saver=False)
     kv = MHATokenToKVPool(
         size=POOL_SLOTS, page_size=1, dtype=torch.float32, head_num=HKV, head_dim=DIM, layer_num=2, device="cpu",
@@ -66,7 +74,7 @@ def make_runner(max_ctx=MAX_CTX):
     )  # fmt: skip
     return types.SimpleNamespace(
         device="cpu", req_to_token_pool=r2t, token_to_kv_pool=kv, use_mla_backend=False, sliding_window_size=None,
-        is_draft_worker=False,
+        is_draft_worker=False, dtype=torch.float32, kv_cache_dtype=kv_cache_dtype, model=model or target_model(),
     )  # fmt: skip
 
 
@@ -310,3 +318,78 @@ def test_unsupported_layers_and_graphs_fail_clearly(published, monkeypatch):
     with pytest.raises(RuntimeError, match="--disable-cuda-graph"):
         backend.init_forward_metadata_out_graph(fb, in_capture=True)
     assert math.isfinite(float(backend.forward(q, kv, kv, RadixAttention(HQ, DIM, 0.25, HKV, 0), fb).sum()))
+
+
+# ------------------------------------------------- startup refusals (issue 19)
+# The backend is built after the model loads and SGLang resolved the KV dtype,
+# before the first request: these used to fail in the first verify.
+
+
+def fp8_checkpoint_kv_dtype(model_dtype):
+    """What SGLang resolves ``--kv-cache-dtype auto`` to for a checkpoint whose
+    quantization config declares FP8 KV (SGLang's own Fp8Config and
+    configure_kv_cache_dtype)."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
+
+    model = target_model()
+    model.quant_config = Fp8Config.from_config(
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "kv_cache_quant_algo": "FP8"}
+    )
+    _, kv_dtype = configure_kv_cache_dtype(
+        server_args_kv_cache_dtype="auto", model=model, model_dtype=model_dtype, is_draft_worker=False,
+        is_dflash=False, speculative_draft_attention_backend=None,
+    )  # fmt: skip
+    return model, kv_dtype
+
+
+def test_fp8_kv_from_the_checkpoint_is_refused_at_startup(published, monkeypatch):
+    model, kv_dtype = fp8_checkpoint_kv_dtype(torch.float32)
+    assert kv_dtype == torch.float8_e4m3fn  # --kv-cache-dtype auto, and still FP8
+    runner = make_runner(model=model, kv_cache_dtype=kv_dtype)
+    with pytest.raises(ValueError, match=r"KV cache is torch.float8_e4m3fn \(the checkpoint declares FP8.*--kv-cache-dtype"):
+        make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK, runner=runner)
+    runner.is_draft_worker = True  # a draft runner never runs target verify: nothing to refuse
+    make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK, runner=runner)
+
+
+@pytest.mark.parametrize(
+    "layer,reason",
+    [
+        (dict(logit_cap=30.0), "logit capping"),
+        (dict(sliding_window_size=128), "sliding window"),
+        (dict(is_cross_attention=True), "cross-attention"),
+    ],
+    ids=["logit-cap", "sliding-window", "cross-attention"],
+)
+def test_layers_tree_verify_cannot_compute_are_refused_at_startup(published, monkeypatch, layer, reason):
+    model = target_model(RadixAttention(HQ, DIM, 0.25, HKV, layer_id=0), RadixAttention(HQ, DIM, 0.25, HKV, 1, **layer))
+    with pytest.raises(ValueError, match=f"cannot verify trees on this model \\(layer 1: {reason}\\)"):
+        make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK, runner=make_runner(model=model))
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(attn_dp_size=2, tp_size=2), "padded verify batches"),
+        (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+    ],
+    ids=["dp-attention", "two-batch-overlap"],
+)
+def test_padded_or_split_verify_batches_are_refused_at_startup(published, tmp_path, monkeypatch, flags, message):
+    """Resolution refuses these flags with our backend (test_plugin_registration);
+    the backend checks the published runtime config too, as SGLang's scheduler
+    will pad or split by it. Published here: the same flags with SGLang's own
+    backend, which resolution accepts."""
+    ckpt = _testing.write_tiny_checkpoint_configs(tmp_path)
+    server_args = _testing.resolved_server_args(
+        model_path=ckpt["target"], speculative_algorithm="EAGLE_TREE", speculative_draft_model_path=ckpt["eagle_head"],
+        attention_backend="triton", speculative_num_steps=STEPS, speculative_eagle_topk=TOPK,
+        speculative_num_draft_tokens=NODES, **flags,
+    )  # fmt: skip
+    _testing.publish(server_args)
+    try:
+        with pytest.raises(ValueError, match=message):
+            make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)
+    finally:
+        _testing.publish(published)  # the module's configuration, for the tests after this one
