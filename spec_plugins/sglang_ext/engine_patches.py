@@ -127,6 +127,16 @@ SEAMS: tuple[Seam, ...] = (
     Seam("sglang.srt.mem_cache.memory_pool:KVWriteLoc", "srt/mem_cache/memory_pool.py", "verify KV write"),
     Seam("sglang.srt.mem_cache.memory_pool:MHATokenToKVPool", "srt/mem_cache/memory_pool.py",
          "k_buffer / v_buffer [slots, H, D]: our KV move and verify attention read them"),
+    Seam("sglang.srt.mem_cache.memory_pool:MHATokenToKVPool.is_quantized_kv_cache", "srt/mem_cache/memory_pool.py",
+         "quantized pools keep SGLang's KV move"),
+    # startup refusals (resolution hook, attention backend init)
+    Seam("sglang.srt.runtime_context:attn_dp_enabled_of", "srt/runtime_context.py",
+         "DP attention pads verify batches: refused with our backends"),
+    Seam("sglang.srt.utils.common:require_mlp_sync", "srt/utils/common.py",
+         "when SGLang pads verify batches (ForwardBatch.prepare_mlp_sync_batch)"),
+    Seam("sglang.srt.runtime_context:get_exec", "srt/runtime_context.py", "two-batch overlap setting"),
+    Seam("sglang.srt.layers.radix_attention:RadixAttention", "srt/layers/radix_attention.py",
+         "logit_cap / sliding_window_size / is_cross_attention of the target's layers"),
 )
 
 # HookRegistry targets (dotted, as HookRegistry.register wants them).
@@ -309,20 +319,36 @@ _warned_pools: set = set()
 
 def plain_kv_views(pool) -> Optional[list]:
     """[slots, 1, H, D] views of every K and V buffer of a plain token-major
-    pool (SGLang's MHATokenToKVPool, NHD layout, no scale buffers), or None
-    for any other pool (SWA/hybrid/quantized/paged-major): those keep SGLang's
-    own ``move_kv_cache``."""
+    pool (SGLang's MHATokenToKVPool, NHD layout, unquantized), or None for any
+    other pool (SWA/hybrid/quantized/paged-major): those keep SGLang's own
+    ``move_kv_cache``, which also moves what ours does not know about."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     if type(pool) is not MHATokenToKVPool:
         return None
     if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
         return None
-    if getattr(pool, "k_scale_buffer", None) is not None or getattr(pool, "v_scale_buffer", None) is not None:
+    if is_quantized_pool(pool):
         return None
     if pool.k_buffer is None:
         return None
     return [b.unsqueeze(1) for b in pool.k_buffer] + [b.unsqueeze(1) for b in pool.v_buffer]
+
+
+# Buffers SGLang 0.5.23's MHATokenToKVPool moves beside K and V, or keeps for
+# a quantized cache: per-token scales (k/v_scale_buffer, NVFP4's native_k/v_
+# scale_buffer) and dequant workspaces. Moving K/V without them is wrong output.
+_SIDE_BUFFERS = ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer",
+                 "dq_k_buffer", "dq_v_buffer")  # fmt: skip
+
+
+def is_quantized_pool(pool) -> bool:
+    """SGLang's own predicate, plus any scale/workspace buffer present,
+    plus any other ``*scale*`` buffer a later release may add."""
+    if getattr(pool, "is_quantized_kv_cache", False):
+        return True
+    names = set(_SIDE_BUFFERS) | {n for n in vars(pool) if "scale" in n and n.endswith("buffer")}
+    return any(getattr(pool, name, None) is not None for name in names)
 
 
 def move_accepted_kv_sglang_layout(

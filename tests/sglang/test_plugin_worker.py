@@ -9,7 +9,8 @@ test_plugin_registration.py). What runs for real: SGLang 0.5.23's
 own KV move (as references), with our hooks applied by SGLang's
 ``HookRegistry``.
 
-Test doubles, for what cannot exist without a loaded model and a scheduler:
+Test doubles, for what cannot exist without a loaded model and a scheduler
+(SGLang's move, where only whether ours hands a pool to it is asserted):
 the draft model (a lookup table of logits per input token), the draft
 worker's ``self`` (a namespace with the fields ``draft``/``draft_forward``
 read), ``prepare_for_draft`` (it builds the ForwardBatch from a full
@@ -394,6 +395,41 @@ def test_kv_move_hook_equals_sglang_move(ckpt, monkeypatch):
     for ours, theirs, want in zip(pools[0].k_buffer + pools[0].v_buffer, pools[1].k_buffer + pools[1].v_buffer, expected):
         torch.testing.assert_close(ours, want, atol=0, rtol=0)
         torch.testing.assert_close(theirs, want, atol=0, rtol=0)
+
+
+def nvfp4_pool_for(backend):
+    """SGLang's NVFP4 KV pool as its pool configurator builds it for ``backend``
+    (recipe configured for the backend pair, then the pool). For trtllm_mha it
+    holds only native FP4 scales (``native_k/v_scale_buffer``), no linear
+    ``k_scale_buffer``; for flashinfer linear scales and a dequant workspace."""
+    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import NVFP4KVCacheMethod
+
+    recipe = NVFP4KVCacheMethod(num_layers=2, device="cpu", page_size=4, native_scale_layout=True)
+    recipe.configure_attention_backends(backend, backend)
+    return MHATokenToKVPool(
+        size=60, page_size=4, dtype=torch.float4_e2m1fn_x2, head_num=2, head_dim=64, layer_num=2, device="cpu",
+        enable_memory_saver=False, quant_method=recipe,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["trtllm_mha", "flashinfer"])
+def test_kv_move_leaves_quantized_pools_to_sglang(backend):
+    """Issue 19, item 6: moving K/V without their scales is wrong output, so a
+    quantized pool goes to SGLang's own move (which moves every scale buffer),
+    however its scales are laid out."""
+    pool = nvfp4_pool_for(backend)
+    assert type(pool) is MHATokenToKVPool and pool.is_quantized_kv_cache
+    if backend == "trtllm_mha":  # the layout a k_scale_buffer-only check missed
+        assert pool.k_scale_buffer is None and pool.native_k_scale_buffer is not None
+    assert engine_patches.plain_kv_views(pool) is None
+    sglang_moves = []
+    batch = types.SimpleNamespace(seq_lens=torch.tensor([5]), out_cache_loc=torch.arange(4, 8))
+    allocator = types.SimpleNamespace(get_kvcache=lambda: pool)
+    engine_patches.move_accepted_kv_sglang_layout(
+        batch, torch.tensor([[0, 2, -1]]), torch.tensor([1]), allocator, impl="torch",
+        fallback=lambda *args: sglang_moves.append(args),
+    )  # fmt: skip
+    assert len(sglang_moves) == 1 and sglang_moves[0][3] is allocator
 
 
 def test_hooks_delegate_when_inactive():
