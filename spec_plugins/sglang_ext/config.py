@@ -13,8 +13,9 @@ User-facing knobs (all read at startup; the scheduler processes inherit them):
     SGLang's backends).
 ``SPEC_PLUGINS_EAGLE_TREE_VARIANT``
     EAGLE or EAGLE3. Unset: detected from the draft head's config
-    (``architectures`` naming ``Eagle3``); the resolution hook then records
-    the detected value here for the scheduler processes.
+    (``architectures`` naming ``Eagle3``), in every process from its published
+    server args. Only the user sets it: a value recorded by the plugin would
+    leak into the next Engine of the process.
 """
 
 from __future__ import annotations
