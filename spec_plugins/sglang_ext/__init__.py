@@ -4,8 +4,9 @@
 idempotent and imports SGLang only inside the call (this package imports
 without SGLang). It
 
-1. gates the engine version (``TESTED_SGLANG``; override with
-   ``SPEC_PLUGINS_ALLOW_UNTESTED_ENGINE=1``),
+1. gates the engine version (``TESTED_SGLANG`` and their post releases;
+   override with ``SPEC_PLUGINS_ALLOW_UNTESTED_ENGINE=1``; a refusal is
+   logged with its reason, next to SGLang's "Unknown speculative algorithm"),
 2. registers ``--speculative-algorithm EAGLE_TREE`` (``SpeculativeAlgorithm.register``
    with a spec class that behaves as the EAGLE family),
 3. wraps the ``handle_speculative_decoding`` resolution step (EAGLE defaults
