@@ -402,7 +402,8 @@ def verify_tree_greedy(
 
 
 def distinct_views(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``caches`` without repeats of one view (same address, shape, strides, dtype).
+    """``caches`` without repeats of one view (same address, shape, strides and
+    element size: the same bytes, whatever the dtype).
 
     The move is not idempotent when a path's sources and destinations overlap
     (path [0, 2, 5]: a second pass reads node 5's row from node 2's slot and
@@ -412,7 +413,7 @@ def distinct_views(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """
     seen, unique = set(), []
     for cache in caches:
-        key = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype)
+        key = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.element_size())  # same bytes
         if key not in seen:
             seen.add(key)
             unique.append(cache)

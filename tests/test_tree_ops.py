@@ -275,7 +275,8 @@ def one_storage_listed_twice(layout="flash", device="cpu"):
     k, v = kv[..., :3], kv[..., 3:]
     index = torch.tensor([[0, 2, 5]], dtype=torch.int64, device=device)
     length = torch.tensor([2], dtype=torch.int64, device=device)
-    return kv, [k, v, k.view(k.shape)], slots, index, length, expected  # .view: another object, same memory
+    # another tensor object over the same memory, and the same bytes as another dtype of the same size
+    return kv, [k, v, k.view(k.shape), k.view(torch.int32)], slots, index, length, expected
 
 
 @pytest.mark.parametrize("layout", ["flash", "cpu"])
