@@ -1,7 +1,7 @@
 """``spec-plugins``: the user-facing command line.
 
     spec-plugins doctor                      engines, versions, what tree mode would use
-    spec-plugins bench  [--out DIR]          no-spec vs chains vs trees on vLLM, table + JSON + PNG
+    spec-plugins bench  [--out DIR]          no-spec vs vLLM's chain vs our chains and trees, table + JSON + PNG
     spec-plugins check  [--junit FILE]       losslessness + acceptance regression gate for CI
 
 ``check`` and ``bench`` default to the bundled SmolLM2-135M-Instruct target
@@ -99,21 +99,30 @@ def progress_printer(label: str):
     return show
 
 
-def run_all(model, configs, prompts, max_tokens, concurrency):
+def run_all(model, configs, prompts, max_tokens, levels: list[int]):
+    """{(config, concurrency): RunResult}; one engine per configuration, every level on it."""
     from spec_plugins import vllm_bench as vb
 
     texts = [t for _, t in prompts]
-    results = []
+    results = {}
     for cfg in configs:
         print(f"spec-plugins: {cfg.name}", file=sys.stderr, flush=True)
-        results.append(vb.run_config(cfg, model, texts, max_tokens, concurrency, progress=progress_printer(cfg.name)))
+        runs = vb.run_config(cfg, model, texts, max_tokens, list(levels), progress=progress_printer(cfg.name))
+        results.update({(cfg, c): r for c, r in zip(levels, runs)})
     return results
 
 
-def configs_for(heads, shapes):
+def configs_for(heads, shapes, engine_chains: bool = False):
+    """No speculation, then per head: vLLM's own chain of each chain length in
+    ``shapes`` (when ``engine_chains``), and ours for every shape."""
     from spec_plugins.vllm_bench import SpecConfig
 
-    return [SpecConfig()] + [SpecConfig(head=folder, kind=kind, shape=s) for kind, folder in heads for s in shapes]
+    configs = [SpecConfig()]
+    for kind, folder in heads:
+        if engine_chains:
+            configs += [SpecConfig(head=folder, kind=kind, shape=s, engine_chain=True) for s in shapes if s[1] == 1]
+        configs += [SpecConfig(head=folder, kind=kind, shape=s) for s in shapes]
+    return configs
 
 
 # -------------------------------------------------------------------- doctor
@@ -186,9 +195,14 @@ def cmd_bench(args) -> int:
 
     model = args.model or default_model()
     prompts = load_prompts(args.prompts, args.num_prompts, model)
-    configs = configs_for(resolve_heads(args.heads), args.shapes)
+    configs = configs_for(resolve_heads(args.heads), args.shapes, engine_chains=not args.no_engine_chain)
     results = run_all(model, configs, prompts, args.max_tokens, args.concurrency)
-    rows = [vb.summarize(results[0], r, c) for r, c in zip(results, configs)]
+    rows = []
+    for level in args.concurrency:
+        for cfg in configs:
+            peer = vb.peer_of(cfg, configs)
+            rows.append(vb.summarize(results[(configs[0], level)], results[(cfg, level)], cfg,
+                                     results[(peer, level)] if peer else None))
     meta = {"model": model, "prompts": [pid for pid, _ in prompts], "max_tokens": args.max_tokens,
             "concurrency": args.concurrency, "engine": _engine_version()}
     vb.write_report(rows, meta, Path(args.out))
@@ -339,15 +353,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--prompts", default=None, help="prompt file (.json list, .jsonl, or one per line)")
         p.add_argument("--num-prompts", type=int, default=num_prompts)
         p.add_argument("--max-tokens", type=int, default=max_tokens)
-        p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
 
-    bench = sub.add_parser("bench", help="side-by-side benchmark: no-spec, chains, trees (table + JSON + PNG)")
+    bench = sub.add_parser("bench", help="side-by-side benchmark: no-spec, vLLM's own chain, our chains and trees "
+                                         "(table + JSON + PNG)")
     common(bench, DEFAULT_SHAPES, 8, 64, ["eagle3", "eagle1"])
+    bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
+                       help="requests in flight at once; each level runs on the same engines (default: 1 8)")
+    bench.add_argument("--no-engine-chain", action="store_true",
+                       help="leave out vLLM's own EAGLE chain (the peer row, one per chain length in --shapes)")
     bench.add_argument("--out", default="bench_out/vllm", help="output folder")
     bench.set_defaults(func=cmd_bench)
 
     check = sub.add_parser("check", help="fail on any token difference or an acceptance regression")
     common(check, CHECK_SHAPES, 4, 48, ["eagle3"])
+    check.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     check.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                        help="vllm: end to end; sglang: kernel level (SGLang's server does not run here)")
     check.add_argument("--min-tau", type=float, default=1.0, help="fail when a configuration's mean tau is lower")
@@ -364,9 +383,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine logs drown the progress lines
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines: one per configuration
     for name in ("num_prompts", "max_tokens", "concurrency"):
-        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
-            print(f"spec-plugins: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-            return 2
+        values = getattr(args, name, 1)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < 1:
+                print(f"spec-plugins: --{name.replace('_', '-')} must be >= 1, got {value}")
+                return 2
     return args.func(args)
 
 

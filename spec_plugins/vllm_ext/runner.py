@@ -100,6 +100,8 @@ class TreeStats:
     draft_calls: int = 0  # steps that drafted
     head_seconds: float = 0.0  # the head's forwards (extend + draft steps), part of draft_seconds
     bookkeeping_seconds: float = 0.0  # tree build, walk + chain sampling, KV move, selection (ours, not models)
+    steps: int = 0  # engine steps (execute_model + sample_tokens)
+    step_seconds: float = 0.0  # their wall time: target forward + vLLM's sampling + the head + ours
 
 
 def chain_spec_decode_metadata(drafts: list[list[int]], device):
@@ -368,9 +370,11 @@ class TreeRunnerMixin:
         draft_before = self.tree_stats.draft_seconds
         out = super().sample_tokens(*args, **kwargs)
         self._commit_verified_trees()  # normally done by propose_draft_token_ids; here if vLLM skipped drafting
+        step = self._step_forward + time.perf_counter() - t0
+        self.tree_stats.steps += 1
+        self.tree_stats.step_seconds += step
         if had_trees:
-            self.tree_stats.verify_seconds += (self._step_forward + time.perf_counter() - t0
-                                               - (self.tree_stats.draft_seconds - draft_before))
+            self.tree_stats.verify_seconds += step - (self.tree_stats.draft_seconds - draft_before)
         return out
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

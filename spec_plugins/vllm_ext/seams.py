@@ -217,6 +217,26 @@ SEAMS: tuple[Seam, ...] = (
          "the tree rows read the ISA vLLM stores on each layer", platform="cpu"),
     Seam("vllm._custom_ops", "cpu_attn_reshape_and_cache", "method", "key, value, key_cache, value_cache, "
          "slot_mapping, isa, k_scale, v_scale, kv_cache_dtype", "probes the CPU K layout", platform="cpu"),
+    # --- tree drafting on vLLM's head (proposer.py) and single-pass verify (attention.py) ------------------------
+    Seam("vllm.config:VllmConfig", "num_lookahead_tokens", "attr", why="patched to 0 in tree mode: the tree "
+         "drafter writes no KV past the verify rows", stage=REG),
+    Seam("vllm.forward_context", "set_forward_context", "method", "attn_metadata, vllm_config, num_tokens, "
+         "num_tokens_across_dp, cudagraph_runtime_mode, batch_descriptor, ubatch_slices, slot_mapping, ...",
+         "the head's extend and draft steps run under it (slot_mapping {} = no paged KV write)"),
+    Seam(f"{CPU_ATTN}:CPUAttentionBackend", "forward_includes_kv_cache_update", "attr", "False",
+         "vLLM writes the KV cache outside forward, so tree rows may skip vLLM's kernel", platform="cpu"),
+    Seam(f"{FLASH}:FlashAttentionBackend", "forward_includes_kv_cache_update", "attr", "False",
+         "vLLM writes the KV cache outside forward, so tree rows may skip vLLM's kernel", platform="cuda"),
+    Seam("vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM", "combine_hidden_states", "method",
+         "hidden_states", "EAGLE-3 head input from the target's aux layers"),
+    Seam("vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM", "draft_id_to_target_id", "attr",
+         why="the reduced draft vocabulary's map to target ids"),
+    Seam("vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM", "logits_processor", "attr",
+         why="draft-vocabulary logits (lm_head applied by vLLM's LogitsProcessor)"),
+    Seam("vllm.model_executor.models.llama_eagle:EagleLlamaForCausalLM", "forward", "method",
+         "input_ids, positions, hidden_states, inputs_embeds", "the head's forward (extend and draft steps)"),
+    Seam("vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM", "forward", "method",
+         "input_ids, positions, hidden_states, inputs_embeds", "the head's forward (extend and draft steps)"),
 )
 # fmt: on
 

@@ -161,8 +161,7 @@ def test_cpu_kv_views_read_what_vllm_wrote(dtype):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from spec_plugins.vllm_ext.attention import cpu_kv_views
-    from spec_plugins.vllm_ext.proposer import PagedHeadKV
+    from spec_plugins.vllm_ext.attention_cpu import cpu_kv_views
 
     nb, heads, bs, dim = 3, 2, 32, 64
     isa = _get_attn_isa(dtype, bs, dim)
@@ -181,34 +180,81 @@ def test_cpu_kv_views_read_what_vllm_wrote(dtype):
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     assert torch.equal(k_view[slots // bs, slots % bs], key)
     assert torch.equal(v_view[slots // bs, slots % bs], value)
-    paged = PagedHeadKV(k_view, v_view)
-    paged.scatter(torch.tensor([1, 2]), key[:2] * 2, value[:2] * 2)
-    k, v = paged.gather(__import__("numpy").array([0, 1, 2]), 3)  # positions 0, 1, 2 in block 0
-    assert torch.equal(k[1:], key[:2] * 2) and torch.equal(v[0], value[0])
 
 
 # ------------------------------------------------------------ head vs target
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"hidden_size": 64}, "hidden_size 576 != target hidden_size 64"),
-    ({"vocab_size": 1000}, "maps draft tokens to target id"),
-    ({"num_hidden_layers": 10}, "reads aux layers \\[15, 27\\]"),
-])
-def test_head_that_does_not_fit_the_target_is_refused(change, needle):
+def _head_config(**change):
+    import json
     from types import SimpleNamespace
 
-    from spec_plugins.heads import EagleHead
+    cfg = json.loads((head_path("eagle3") / "config.json").read_text())
+    cfg.update(change)
+    return SimpleNamespace(**cfg)
+
+
+@pytest.mark.parametrize("head_change,target_change,needle", [
+    ({}, {"hidden_size": 64}, "hidden_size 576 != target hidden_size 64"),
+    ({}, {"num_hidden_layers": 10}, "reads aux layers \\[15, 27\\]"),
+    ({"num_hidden_layers": 2}, {}, "has 2 layers"),
+])
+def test_head_that_does_not_fit_the_target_is_refused(head_change, target_change, needle):
+    from types import SimpleNamespace
+
     from spec_plugins.vllm_ext.proposer import check_head_fits_target
 
-    head = EagleHead.load(head_path("eagle3"))
-    target = SimpleNamespace(**{"hidden_size": 576, "vocab_size": 49152, "num_hidden_layers": 30, **change})
-    check_head_fits_target(head, SimpleNamespace(hidden_size=576, vocab_size=49152, num_hidden_layers=30),
-                           "eagle3", head_path("eagle3"))  # the real target fits
+    target = SimpleNamespace(hidden_size=576, vocab_size=49152, num_hidden_layers=30)
+    check_head_fits_target(_head_config(), target, "eagle3", head_path("eagle3"))  # the real pair fits
     with pytest.raises(tc.TreeConfigError, match=needle):
-        check_head_fits_target(head, target, "eagle3", head_path("eagle3"))
+        check_head_fits_target(_head_config(**head_change), SimpleNamespace(**{**vars(target), **target_change}),
+                               "eagle3", head_path("eagle3"))
     with pytest.raises(tc.TreeConfigError, match="is an eagle3 head but speculative method is 'eagle'"):
-        check_head_fits_target(head, target, "eagle", head_path("eagle3"))
+        check_head_fits_target(_head_config(), target, "eagle", head_path("eagle3"))
+
+
+def test_loaded_head_whose_d2t_leaves_the_target_vocabulary_is_refused():
+    from types import SimpleNamespace
+
+    from spec_plugins.vllm_ext.proposer import check_loaded_head
+
+    head = SimpleNamespace(draft_id_to_target_id=torch.tensor([0, 5, 990]))  # draft id 2 -> target id 992
+    check_loaded_head(head, 993, "head")
+    with pytest.raises(tc.TreeConfigError, match="maps draft tokens to target id 992"):
+        check_loaded_head(head, 992, "head")
+
+
+def test_branch_attention_matches_brute_force():
+    """A draft step's attention: each frontier node sees its request's committed
+    context (paged, lengths differ) + its ancestors' branch entries + itself."""
+    from spec_plugins.vllm_ext.attention import BranchAttention
+
+    gen = torch.Generator().manual_seed(5)
+    R, K, hq, hkv, dim, L = 2, 3, 4, 2, 8, 6
+    kv_lens = torch.tensor([6, 4])
+    ctx_k, ctx_v = torch.randn(R, L, hkv, dim, generator=gen), torch.randn(R, L, hkv, dim, generator=gen)
+    bias = torch.zeros(R, L).masked_fill_(torch.arange(L)[None] >= kv_lens[:, None], float("-inf"))
+    scratch = torch.zeros(2, R, 2 * K, hkv, dim)
+    att = BranchAttention(ctx_k, ctx_v, bias[:, None, None], scratch[0], scratch[1], scale=dim ** -0.5)
+    levels = []
+    for level, anc in ((1, torch.zeros(R, K, 0, dtype=torch.bool)),
+                       (2, torch.tensor([[[1, 0, 0], [1, 0, 0], [0, 0, 1]], [[0, 1, 0], [0, 0, 1], [0, 0, 1]]]).bool())):
+        q = torch.randn(R * K, hq, dim, generator=gen)
+        k, v = torch.randn(R * K, hkv, dim, generator=gen), torch.randn(R * K, hkv, dim, generator=gen)
+        att.ancestors = anc
+        out = att.attend(q, k, v, torch.empty(R * K, hq, dim))
+        levels.append((k.view(R, K, hkv, dim), v.view(R, K, hkv, dim)))
+        for r in range(R):
+            for j in range(K):
+                keys = [ctx_k[r, : kv_lens[r]]] + [levels[0][0][r, e : e + 1] for e in range(K) if
+                                                   level == 2 and anc[r, j, e]] + [levels[-1][0][r, j : j + 1]]
+                vals = [ctx_v[r, : kv_lens[r]]] + [levels[0][1][r, e : e + 1] for e in range(K) if
+                                                   level == 2 and anc[r, j, e]] + [levels[-1][1][r, j : j + 1]]
+                keys, vals = torch.cat(keys), torch.cat(vals)  # [n, Hkv, D]
+                qi = q[r * K + j].view(hkv, hq // hkv, dim)
+                w = torch.softmax(torch.einsum("hgd,nhd->hgn", qi, keys) * dim ** -0.5, -1)
+                want = torch.einsum("hgn,nhd->hgd", w, vals).reshape(hq, dim)
+                torch.testing.assert_close(out[r * K + j], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["cpu_vec_fp32", "flash"])

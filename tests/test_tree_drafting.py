@@ -1,0 +1,85 @@
+"""Batched EAGLE-2 expansion (spec_plugins.tree_drafting) and the per-step tree
+attention plan (spec_tree_kernels.attention_plan), engine-free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spec_tree_kernels as stk
+from spec_plugins.tree_drafting import TreeShape, expand_pool, select_trees
+from spec_tree_kernels.attention_plan import TreeAttentionPlan
+from spec_tree_kernels.attention_reference import tree_attention_reference
+
+
+def _random_step(vocab: int, hidden: int, seed: int):
+    """A deterministic fake head: logits depend on (request seed, level, token,
+    hidden, ancestors), so batching mistakes change the pool."""
+    proj = torch.randn(hidden + 1, vocab, generator=torch.Generator().manual_seed(seed))
+
+    def step(level, tokens, hid, ancestors):
+        feats = torch.cat([hid, (tokens.float() / vocab + ancestors.sum(-1).float() + level)[..., None]
+                           .expand(*tokens.shape, 1)], -1)
+        return feats @ proj, hid.roll(1, -1) + tokens[..., None].float() / vocab
+
+    return step
+
+
+@pytest.mark.parametrize("shape", [(5, 4, 8), (3, 2, 6), (4, 1, 5), (1, 3, 3), (6, 8, 32)])
+def test_expand_pool_batched_equals_one_request_at_a_time(shape):
+    S, K, T = shape
+    R, V, H = 3, 50, 6
+    gen = torch.Generator().manual_seed(sum(shape))
+    first_logits, first_hidden = torch.randn(R, V, generator=gen), torch.randn(R, H, generator=gen)
+    d2t = torch.randperm(200, generator=gen)[:V]
+    step = _random_step(V, H, 7)
+    batched = expand_pool(first_logits, first_hidden, d2t, S, K, step)
+    for r in range(R):
+        single = expand_pool(first_logits[r : r + 1], first_hidden[r : r + 1], d2t, S, K, step)
+        for b, s in zip(batched, single):
+            assert torch.equal(b[r], s[0])
+    scores, tokens, parent_list = batched
+    assert scores.shape == (R, stk.pool_size(K, S)) and parent_list.shape == (R, stk.parent_list_width(K, S))
+    assert set(tokens.flatten().tolist()) <= set(d2t.tolist())  # target ids through d2t
+    trees = select_trees(scores, tokens, parent_list, TreeShape(S, K, T))
+    assert trees.tokens.shape == (R, T - 1) and trees.parents.shape == (R, T)
+    assert (trees.parents[:, 1:] < torch.arange(1, T)).all() and (trees.parents[:, 0] == -1).all()
+
+
+def test_expand_pool_passes_each_frontier_its_ancestors():
+    """The ancestors mask handed to the head: level 2's survivors descend from
+    the level-1 entry they were expanded from (checked against the parent_list)."""
+    seen = {}
+    R, V, H, K = 2, 30, 4, 3
+    base = _random_step(V, H, 1)
+
+    def step(level, tokens, hidden, ancestors):
+        seen[level] = ancestors.clone()
+        return base(level, tokens, hidden, ancestors)
+
+    gen = torch.Generator().manual_seed(0)
+    _, _, parent_list = expand_pool(torch.randn(R, V, generator=gen), torch.randn(R, H, generator=gen), None, 3,
+                                    K, step)
+    assert seen[1].shape == (R, K, 0)
+    # level-2 frontier j was expanded from pool candidate parent_list[:, 1 + j] (a level-1 child:
+    # index // K gives the level-1 survivor row it came from, which is branch entry row)
+    survivors = (parent_list[:, 1 + K : 1 + 2 * K] - K) // K  # rows of level-1 entries
+    for r in range(R):
+        for j in range(K):
+            assert seen[2][r, j].nonzero().flatten().tolist() == [int(survivors[r, j])]
+
+
+@pytest.mark.parametrize("mode", ["ANCESTOR_BITMASK", "PARENT_POINTER", "QLEN_ONLY"])
+def test_attention_plan_equals_reference(mode):
+    gen = torch.Generator().manual_seed(11)
+    B, T, hq, hkv, D, bs, nb = 3, 5, 4, 2, 16, 8, 20
+    parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, 0, 1, 2, 3], [-1, 0, 0, 0, 0]])
+    ctx = torch.tensor([13, 0, 30])
+    tree = stk.tree_from_parents(parents, ctx, mode)
+    k_cache, v_cache = torch.randn(nb, bs, hkv, D, generator=gen), torch.randn(nb, bs, hkv, D, generator=gen)
+    block_table = torch.stack([torch.randperm(nb, generator=gen)[:8] for _ in range(B)]).to(torch.int32)
+    q = torch.randn(B, T, hq, D, generator=gen)
+    want = tree_attention_reference(q, k_cache, v_cache, block_table, ctx, tree.tree_mask, mode)
+    plan = TreeAttentionPlan.create(block_table, ctx, tree.tree_mask, mode, T, bs, max_context_len=30)
+    assert plan.blocks.shape == (B, 5)  # ceil((30 + 5) / 8): only the blocks the longest request uses
+    torch.testing.assert_close(plan.run(q, k_cache, v_cache, D ** -0.5), want, rtol=1e-5, atol=1e-5)
