@@ -131,7 +131,7 @@ def configs_for(heads, shapes, engine_chains: bool = False):
 def cmd_doctor(args) -> int:
     import importlib.util
 
-    from spec_plugins.engine_versions import installed_version
+    from spec_plugins.engine_versions import installed_version, is_tested_release
     from spec_plugins.sglang_ext import TESTED_SGLANG
     from spec_plugins.vllm_ext import TESTED_VLLM
 
@@ -143,7 +143,7 @@ def cmd_doctor(args) -> int:
             lines.append(f"{name:<10} not installed")
             continue
         dist, version = found
-        supported = version.split("+")[0] in tested
+        supported = is_tested_release(version, tested)
         ok &= supported
         lines.append(f"{name:<10} {dist} {version}: {'supported' if supported else 'NOT a tested release'} "
                      f"(tested: {', '.join(tested)})")

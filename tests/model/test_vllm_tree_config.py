@@ -273,7 +273,9 @@ def test_compute_tree_rows_matches_brute_force(layout):
     if layout == "flash":
         k_view, v_view = A.flash_kv_views(cache)
     else:
-        k_view, v_view = A.cpu_kv_views(cache, "vec")
+        from spec_plugins.vllm_ext.attention_cpu import cpu_kv_views
+
+        k_view, v_view = cpu_kv_views(cache, "vec")
     # batch rows: 0 tree of 3 nodes, 1 plain decode row, 2 tree of 5 nodes, 3 tree of 3 nodes
     parents = {0: [-1, 0, 0], 2: [-1, 0, 1, 1, 0], 3: [-1, 0, 1]}
     ctx = {0: 40, 1: 7, 2: 70, 3: 5}

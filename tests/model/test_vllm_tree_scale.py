@@ -6,10 +6,14 @@ Both compare every token with the same engine build without speculation.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from test_vllm_tree_e2e import assert_identical, engine_kwargs, token_ids, tree_kwargs  # noqa: E402 (gated there)
 
+from spec_plugins.heads import head_path  # noqa: E402
 from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
 from spec_plugins.prompts import apply_chat_template, eval_prompts  # noqa: E402
 
@@ -70,7 +74,7 @@ def test_sixteen_concurrent_requests_of_mixed_lengths(tokenizer):
     assert spec["accepted"] > 0
 
 
-def test_twelve_k_token_prompt_extends_the_head_in_bounded_memory(tokenizer):
+def test_twelve_k_token_prompt_extends_the_head_in_bounded_memory(tokenizer, tmp_path):
     """The head's extend over a 12k-token prompt goes through vLLM's attention
     kernel chunk by chunk, so the tree engine's peak memory during generate
     stays within 256 MB of the no-speculation engine's on the same prompt (a
@@ -84,9 +88,18 @@ def test_twelve_k_token_prompt_extends_the_head_in_bounded_memory(tokenizer):
     n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     assert LONG_PROMPT_TOKENS <= n < LONG_LEN - 64, n
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    sized = dict(max_model_len=LONG_LEN, kv_cache_memory_bytes=768 * MB)
+    # SmolLM2 and the head declare 8192 positions; RoPE itself has no limit, so both
+    # are told 16384 (the output's quality is not the point, its equality is).
+    sized = dict(max_model_len=LONG_LEN, kv_cache_memory_bytes=768 * MB,
+                 hf_overrides={"max_position_embeddings": LONG_LEN})
+    head = tmp_path / "head"
+    shutil.copytree(head_path("eagle3"), head)
+    cfg = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": LONG_LEN}))
     ref, _, base_growth = _generate(engine_kwargs(**sized), [prompt], params)
-    got, spec, tree_growth = _generate(tree_kwargs("eagle3", (5, 4, 8), **sized), [prompt], params)
+    got, spec, tree_growth = _generate(engine_kwargs(
+        **sized, speculative_config={"method": "eagle3", "model": str(head)},
+        additional_config={"spec_tree": {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}}), [prompt], params)
     assert_identical(ref, got)
     assert spec["drafts"] > 0
     print(f"peak RSS growth during generate: no-spec {base_growth / MB:.0f} MB, tree {tree_growth / MB:.0f} MB")
