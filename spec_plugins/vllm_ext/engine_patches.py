@@ -21,6 +21,14 @@ VllmConfig.num_lookahead_tokens        0 in tree mode: vLLM reserves num_spec_to
                                        keeps branch KV in a scratch tensor, so the
                                        slots would only shrink the cache. Can go when
                                        vLLM asks the proposer for its lookahead.
+SamplingParams._validate_spec_decode   skipped for tree engines (their
+                                       SpeculativeConfig is marked by
+                                       ``requests.mark_tree_engine``): vLLM rejects
+                                       min_p / logit_bias requests once speculation
+                                       is on; tree engines serve them (logit_bias
+                                       without speculation). Other engines keep
+                                       vLLM's check. Can go when vLLM asks the
+                                       proposer which requests it can speculate.
 =====================================  ============================================
 """
 
@@ -94,6 +102,9 @@ def apply() -> None:
     from vllm.config import VllmConfig
 
     _wrap(VllmConfig, "num_lookahead_tokens", make_num_lookahead_tokens)
+    from .requests import patch_spec_decode_validation
+
+    patch_spec_decode_validation()
     _wrap(EngineArgs, "add_cli_args", make_add_cli_args)
     _wrap(EngineArgs, "from_cli_args", make_from_cli_args)
     _wrap(EngineArgs, "create_engine_config", make_create_engine_config)

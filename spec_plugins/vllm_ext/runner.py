@@ -45,6 +45,8 @@ import spec_tree_kernels as stk
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import settings_from_vllm_config
 from .proposer import TreeDrafter, check_head_fits_target, check_loaded_head
+from .requests import install_full_logitsprocs, may_speculate
+from .startup_checks import check_at_startup
 
 
 @dataclass
@@ -62,8 +64,9 @@ class TreeGroup:
     candidates: torch.Tensor
     build: stk.TreeBuild
     max_depth: int
-    max_context: int  # host copies of the context lengths
-    contexts: list
+    max_context: int  # host copy of the longest context
+    tokens: list  # host copy of candidates
+    all_chains: bool  # every tree of the group is a chain (causal: no tree mask needed)
     predict: torch.Tensor | None = None  # [B, T] int64 target argmax at each node, after the forward
 
 
@@ -171,9 +174,6 @@ class TreeRunnerMixin:
         # the head's layer too: its extend runs tree rows and its draft steps read BranchAttention
         check_tree_attention_installed(self.compilation_config.static_forward_context,
                                        target_layers + sorted(draft_layers))
-        from .requests import install_full_logitsprocs
-        from .startup_checks import check_at_startup
-
         check_at_startup(self, target_layers, sorted(draft_layers))  # layouts/variants: refuse now, not per request
         install_full_logitsprocs(self)  # logit_bias, min_p, entry-point processors apply as without speculation
 
@@ -209,14 +209,16 @@ class TreeRunnerMixin:
             for T, g in self._step_groups.items():
                 idx = (g.q_starts[:, None] + torch.arange(T, device=g.q_starts.device)).flatten()
                 self.positions[idx.to(self.positions.device)] = g.build.positions.flatten().to(self.positions.dtype)
-            num_tree_rows = sum(len(g.rows) * T for T, g in self._step_groups.items())
+            # Chains are causal: vLLM's own kernel computes their rows exactly.
+            branching = {T: g for T, g in self._step_groups.items() if not g.all_chains}
+            num_tree_rows = sum(len(g.rows) * T for T, g in branching.items())
             publish_verify_trees(VerifyTrees(
                 mode=self.tree_settings.mask_mode,
                 groups={T: (torch.as_tensor(g.rows, device=self.device), g.q_starts, g.context_lens,
-                            g.build.tree_mask) for T, g in self._step_groups.items()},
-                max_context=max(g.max_context for g in self._step_groups.values()),
+                            g.build.tree_mask) for T, g in branching.items()},
+                max_context=max((g.max_context for g in branching.values()), default=0),
                 covers_batch=num_tree_rows == scheduler_output.total_num_scheduled_tokens,
-            ))
+            ) if branching else None)
         return result
 
     def _group_step_trees(self, scheduled_spec: dict) -> dict[int, TreeGroup]:
@@ -248,9 +250,11 @@ class TreeRunnerMixin:
             max_depth = int((build.positions - ctx_t[:, None]).max())
             dev = self.device
             build = stk.TreeBuild(*(t.to(dev, non_blocking=True) for t in build))
+            chain = list(range(-1, T - 1))
             groups[T] = TreeGroup(rows=rows, q_starts=torch.tensor(q0s, dtype=torch.int64).to(dev),
                                   context_lens=ctx_t.to(dev), candidates=torch.tensor(cands, dtype=torch.int64).to(dev),
-                                  build=build, max_depth=max_depth, max_context=max(ctxs), contexts=ctxs)
+                                  build=build, max_depth=max_depth, max_context=max(ctxs), tokens=cands,
+                                  all_chains=all(p == chain for p in parents))
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return groups
 
@@ -264,33 +268,11 @@ class TreeRunnerMixin:
         if spec_decode_metadata is None or not (groups or scored):
             return super()._sample(logits, spec_decode_metadata)
         self.input_batch.update_async_output_token_ids()
-        md = spec_decode_metadata
-        num_draft = np.asarray(md.num_draft_tokens)
+        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens)
         first_row = np.cumsum(num_draft + 1) - num_draft - 1  # each request's first logits row
-        paths: dict[int, torch.Tensor] = {}
-        tokens_of: dict[int, torch.Tensor] = {}
-        for T, g in groups.items():
-            rows = torch.as_tensor(first_row[g.rows], device=logits.device)[:, None] + torch.arange(
-                T, device=logits.device)
-            predict = logits[rows.flatten()].argmax(-1).view(len(g.rows), T).to(torch.int64)
-            g.predict = predict  # the head's extend reads each node's successor from it
-            res = stk.verify_tree_greedy(g.candidates, g.build.retrieve_next_token, g.build.retrieve_next_sibling,
-                                         predict, max(g.max_depth, 1), impl=self.tree_impl)
-            lengths = res.accept_length.tolist()
-            for b, row in enumerate(g.rows):
-                paths[row] = res.accept_index[b, : lengths[b] + 1].to(torch.int64)
-                tokens_of[row] = g.candidates[b]
-        pieces, chain_drafts = [], []
-        for row in range(len(num_draft)):
-            if row in paths:
-                pieces.append(int(first_row[row]) + paths[row])
-                chain_drafts.append(tokens_of[row][paths[row][1:]].tolist())
-            else:
-                if num_draft[row]:
-                    raise RuntimeError(f"spec-plugins: batch row {row} has {num_draft[row]} drafts but no tree")
-                pieces.append(torch.tensor([int(first_row[row])], dtype=torch.int64, device=logits.device))
-                chain_drafts.append([])
-        chain_logits = logits[torch.cat(pieces).to(logits.device)]
+        paths = self._walk_trees(groups, logits, first_row)
+        chain_rows, chain_drafts = self._paths_as_chains(groups, paths, num_draft, first_row)
+        chain_logits = logits[torch.from_numpy(chain_rows).to(logits.device)]
         sampling_metadata = self.input_batch.sampling_metadata
         if sampling_metadata.all_greedy and not sampling_metadata.logprob_token_ids:  # the rejection sampler drops those
             if sampling_metadata.spec_token_ids is not None:  # penalties / bad words read drafts as history
@@ -300,12 +282,41 @@ class TreeRunnerMixin:
         else:
             out = self._sample_mixed_batch(chain_logits, chain_drafts, sampling_metadata)
         emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
-        self._accepted_paths = {row: path[: emitted[row]].tolist() for row, path in paths.items()}
+        self._accepted_paths = {row: path[: emitted[row]] for row, path in paths.items()}
         self._verified = groups  # their KV moves after the head's extend (``propose_draft_token_ids``)
         self.after_tree_sampling(out, groups, emitted)
         self.tree_stats.verify_steps += bool(groups)
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return out
+
+    def _walk_trees(self, groups: dict[int, TreeGroup], logits, first_row: np.ndarray) -> dict[int, list]:
+        """The greedy walk of every tree on the target's argmax -> {batch row: accepted node path}
+        (host lists: one copy per group)."""
+        paths = {}
+        for T, g in groups.items():
+            rows = torch.from_numpy(first_row[g.rows]).to(logits.device)[:, None] + torch.arange(
+                T, device=logits.device)
+            g.predict = logits[rows.flatten()].argmax(-1).view(len(g.rows), T).to(torch.int64)  # read by the extend
+            res = stk.verify_tree_greedy(g.candidates, g.build.retrieve_next_token, g.build.retrieve_next_sibling,
+                                         g.predict, max(g.max_depth, 1), impl=self.tree_impl)
+            for row, index, length in zip(g.rows, res.accept_index.tolist(), res.accept_length.tolist()):
+                paths[row] = index[: length + 1]
+        return paths
+
+    @staticmethod
+    def _paths_as_chains(groups: dict[int, TreeGroup], paths: dict[int, list], num_draft: np.ndarray,
+                         first_row: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
+        """Each request as a chain for vLLM's sampler: its logits rows (path nodes, or
+        the one row of a request without a tree) and its draft tokens (the path's)."""
+        tokens = {row: cands for g in groups.values() for row, cands in zip(g.rows, g.tokens)}
+        rows, drafts = [], []
+        for row in range(len(num_draft)):
+            if row not in paths and num_draft[row]:
+                raise RuntimeError(f"spec-plugins: batch row {row} has {num_draft[row]} drafts but no tree")
+            path = paths.get(row, [0])
+            rows.extend(int(first_row[row]) + a for a in path)
+            drafts.append([tokens[row][a] for a in path[1:]])
+        return np.asarray(rows, dtype=np.int64), drafts
 
     def after_tree_sampling(self, out, groups: dict[int, TreeGroup], emitted: list[int]) -> None:
         """Hook for the test-only faults of ``faults.py``; nothing to do here."""
@@ -343,17 +354,23 @@ class TreeRunnerMixin:
     def _move_accepted_kv(self, groups: dict[int, TreeGroup]) -> None:
         """Each tree's accepted nodes' K/V to the front of its verify slots (slot of
         depth d <- node a_d), for every layer of every KV cache group: the target's
-        and the head's (whose extend wrote node-aligned KV like the target)."""
+        and the head's (whose extend wrote node-aligned KV like the target). A path
+        that is a prefix of the BFS order (always, for chains) is already in place."""
+        moves = []
+        for T, g in groups.items():
+            paths = [self._accepted_paths[row] for row in g.rows]
+            if any(p != list(range(len(p))) for p in paths):
+                width = g.max_depth + 1
+                moves.append((T, g, torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.int64),
+                              torch.tensor([len(p) - 1 for p in paths], dtype=torch.int64)))
+        if not moves:
+            return
         for gid, kv_group in enumerate(self.kv_cache_config.kv_cache_groups):
             caches = [view for n in kv_group.layer_names for view in self.kv_views(self._layer_kv(n))]
             slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu
-            for T, g in groups.items():
+            for T, g, accept_index, accept_length in moves:
                 slots = slot_mapping[(g.q_starts[:, None] + torch.arange(T, device=g.q_starts.device)).to(
                     slot_mapping.device)].to(torch.int64)
-                paths = [self._accepted_paths[row] for row in g.rows]
-                width = g.max_depth + 1
-                accept_index = torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.int64)
-                accept_length = torch.tensor([len(p) - 1 for p in paths], dtype=torch.int64)
                 stk.move_accepted_kv(caches, slots, accept_index.to(slots.device), accept_length.to(slots.device),
                                      impl=self.tree_impl)
 
@@ -463,7 +480,5 @@ class TreeRunnerMixin:
         return drafts
 
     def _may_speculate(self, req_id: str) -> bool:
-        from .requests import may_speculate  # the per-request rule lives there
-
         return may_speculate(self.requests[req_id].sampling_params, self.input_batch.req_id_to_index.get(req_id),
                              self.input_batch.logitsprocs)

@@ -220,6 +220,8 @@ SEAMS: tuple[Seam, ...] = (
     # --- tree drafting on vLLM's head (proposer.py) and single-pass verify (attention.py) ------------------------
     Seam("vllm.config:VllmConfig", "num_lookahead_tokens", "attr", why="patched to 0 in tree mode: the tree "
          "drafter writes no KV past the verify rows", stage=REG),
+    Seam("vllm.sampling_params:SamplingParams", "_validate_spec_decode", "method", "speculative_config",
+         "patched: skipped for tree engines, which serve min_p / logit_bias requests", stage=REG),
     Seam("vllm.forward_context", "set_forward_context", "method", "attn_metadata, vllm_config, num_tokens, "
          "num_tokens_across_dp, cudagraph_runtime_mode, batch_descriptor, ubatch_slices, slot_mapping, ...",
          "the head's extend and draft steps run under it (slot_mapping {} = no paged KV write)"),
