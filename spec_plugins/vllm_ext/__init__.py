@@ -12,9 +12,14 @@ reached through vLLM's own seams, each listed in ``seams.py``:
                   the GPU one imports nothing CPU-only) that check every seam
                   of their platform, build the tree runner and install the
                   tree attention backend (CPU_ATTN override / CUSTOM on GPU);
-* ``runner``      the V1 runner mixin: tree positions, verify, KV move, drafting;
-* ``proposer``    ``TreeEagleProposer`` (EAGLE-1 / EAGLE-3 heads, dynamic trees);
-* ``attention``   verify rows through ``spec_tree_kernels.tree_attention``.
+* ``runner``      the V1 runner mixin: one step's data flow (tree positions,
+                  verify, the walk, the head's extend, KV move, drafting);
+                  ``runner_cpu`` / ``runner_gpu`` the concrete runners;
+* ``proposer``    ``TreeDrafter``: batched EAGLE-2 trees on vLLM's own EAGLE head;
+* ``attention``   tree rows (single pass) and the draft steps' attention;
+                  ``attention_cpu`` / ``attention_gpu`` the backends;
+* ``requests``    which requests are speculated; ``startup_checks`` layouts
+                  and attention variants, refused at startup.
 """
 
 from __future__ import annotations

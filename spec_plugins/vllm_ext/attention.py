@@ -100,7 +100,8 @@ class BranchAttention:
         self.branch_v[:, new] = value.view(R, K, hkv, dim).to(self.branch_v.dtype)
         self.filled += K
         q = query.view(R, K, hkv, group, dim).float()
-        s_ctx = torch.einsum("bjhgd,bshd->bhgjs", q, self.ctx_k.float()).mul_(self.scale).add_(self.ctx_bias[:, :, None])
+        s_ctx = torch.einsum("bjhgd,bshd->bhgjs", q, self.ctx_k.float())
+        s_ctx.mul_(self.scale).add_(self.ctx_bias[:, :, None])
         bk, bv = self.branch_k[:, : self.filled].float(), self.branch_v[:, : self.filled].float()
         visible = torch.cat([self.ancestors, torch.eye(K, dtype=torch.bool, device=q.device).expand(R, K, K)], -1)
         s_br = torch.einsum("bjhgd,bshd->bhgjs", q, bk).mul_(self.scale)

@@ -274,7 +274,8 @@ class TreeRunnerMixin:
         chain_rows, chain_drafts = self._paths_as_chains(groups, paths, num_draft, first_row)
         chain_logits = logits[torch.from_numpy(chain_rows).to(logits.device)]
         sampling_metadata = self.input_batch.sampling_metadata
-        if sampling_metadata.all_greedy and not sampling_metadata.logprob_token_ids:  # the rejection sampler drops those
+        # (vLLM's rejection sampler drops logprob_token_ids: such batches take the mixed path)
+        if sampling_metadata.all_greedy and not sampling_metadata.logprob_token_ids:
             if sampling_metadata.spec_token_ids is not None:  # penalties / bad words read drafts as history
                 sampling_metadata = replace(sampling_metadata, spec_token_ids=chain_drafts)
             out = self.rejection_sampler(chain_spec_decode_metadata(chain_drafts, logits.device), None,

@@ -238,7 +238,8 @@ def test_branch_attention_matches_brute_force():
     att = BranchAttention(ctx_k, ctx_v, bias[:, None, None], scratch[0], scratch[1], scale=dim ** -0.5)
     levels = []
     for level, anc in ((1, torch.zeros(R, K, 0, dtype=torch.bool)),
-                       (2, torch.tensor([[[1, 0, 0], [1, 0, 0], [0, 0, 1]], [[0, 1, 0], [0, 0, 1], [0, 0, 1]]]).bool())):
+                       (2, torch.tensor([[[1, 0, 0], [1, 0, 0], [0, 0, 1]],
+                                         [[0, 1, 0], [0, 0, 1], [0, 0, 1]]]).bool())):
         q = torch.randn(R * K, hq, dim, generator=gen)
         k, v = torch.randn(R * K, hkv, dim, generator=gen), torch.randn(R * K, hkv, dim, generator=gen)
         att.ancestors = anc
