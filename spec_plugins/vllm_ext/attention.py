@@ -122,10 +122,6 @@ def publish_verify_trees(trees: VerifyTrees | None) -> None:
     _published = trees
 
 
-def published_verify_trees() -> VerifyTrees | None:
-    return _published
-
-
 def flash_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention cache [num_blocks, Hkv, block_size, 2D] read as K | V on the
     last dim (flash_attn.py: ``kv_cache.transpose(1, 2).split(head_size, -1)``)."""

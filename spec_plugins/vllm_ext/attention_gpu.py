@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
-from .attention import TreeRowsMixin, flash_kv_views
+from .attention import TreeRowsMixin, flash_kv_views, forget_resolved_backends
 
 
 class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
@@ -34,10 +34,7 @@ TREE_BACKEND_PATH = f"{__name__}.TreeFlashAttentionBackend"
 def install_gpu_backend() -> None:
     """Register ``TreeFlashAttentionBackend`` as vLLM's CUSTOM backend (seams
     ``register_backend``, ``selector._cached_get_attn_backend``)."""
-    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, TREE_BACKEND_PATH)
-    # vLLM memoizes backend classes per process: an engine built earlier in
-    # this process would otherwise hand us its class.
-    selector._cached_get_attn_backend.cache_clear()
+    forget_resolved_backends()
