@@ -10,6 +10,8 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``build_tree``         positions, retrieve links and the tree mask (``TreeMaskMode``).
 * ``tree_from_parents`` the same outputs for trees kept as parent pointers.
 * ``verify_tree_greedy`` greedy tree walk: accepted path, length, emitted tokens.
+* ``verify_tree_sampling`` the same walk for temperature > 0: target-only recursive
+                         rejection with caller-supplied randoms (exact in distribution).
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
 * ``mask_bytes_per_request`` memory of each mask mode.
 * ``prepare(device)``    engine startup: build/load the CUDA kernels now (Triton if
@@ -33,6 +35,7 @@ from .api import (
     tree_from_parents,
     validate_tree_shape,
     verify_tree_greedy,
+    verify_tree_sampling,
 )
 from .modes import TreeMaskMode, mask_bytes_per_request, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
@@ -66,4 +69,5 @@ __all__ = [
     "tree_from_parents",
     "validate_tree_shape",
     "verify_tree_greedy",
+    "verify_tree_sampling",
 ]

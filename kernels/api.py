@@ -401,6 +401,54 @@ def verify_tree_greedy(
     return reference.verify_tree_greedy(candidates, retrieve_next_token, retrieve_next_sibling, target_predict, num_steps)
 
 
+def verify_tree_sampling(
+    candidates: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    target_probs: torch.Tensor,
+    coins: torch.Tensor,
+    exponentials: torch.Tensor,
+    num_steps: int,
+    *,
+    impl: str = "auto",
+) -> VerifyResult:
+    """Tree walk for sampled requests: target-only recursive rejection
+    (``reference.verify_tree_sampling`` is the specification).
+
+    candidates:     [B, T] int64 node tokens (node 0 = the root).
+    retrieve_next_token / retrieve_next_sibling: [B, T] int64 from ``build_tree``.
+    target_probs:   [B, T, V] float32 | float64, the target's distribution at
+                    every node after temperature / top-k / top-p / min-p.
+    coins:          [B, T] same dtype, U[0, 1), one per node (used when the
+                    node is tested as a child).
+    exponentials:   [B, V] same dtype, Exp(1), one per token per request (the
+                    final draw: argmax p_res / exponentials).
+    num_steps:      D >= the tree depth; outputs are D + 1 wide.
+    Every implementation consumes the same randoms and returns the same result.
+    Returns ``VerifyResult``: accept_tokens = accepted drafts, then the drawn token.
+    """
+    _check_positive("num_steps", num_steps)
+    _check_tensor("candidates", candidates, 2, (torch.int64,))
+    device = candidates.device
+    for name, t in (("retrieve_next_token", retrieve_next_token), ("retrieve_next_sibling", retrieve_next_sibling)):
+        _check_tensor(name, t, 2, (torch.int64,), device)
+        if t.shape != candidates.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, candidates has {tuple(candidates.shape)}")
+    _check_tensor("target_probs", target_probs, 3, (torch.float32, torch.float64), device)
+    batch, nodes = candidates.shape
+    if tuple(target_probs.shape[:2]) != (batch, nodes):
+        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [{batch}, {nodes}, V]")
+    vocab = target_probs.shape[2]
+    for name, t, shape in (("coins", coins, (batch, nodes)), ("exponentials", exponentials, (batch, vocab))):
+        _check_tensor(name, t, 2, (target_probs.dtype,), device)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {list(shape)}")
+    if nodes < 1 or nodes > MAX_TREE_NODES:
+        raise ValueError(f"candidates must have 1..{MAX_TREE_NODES} nodes per request, got {nodes}")
+    return reference.verify_tree_sampling(candidates, retrieve_next_token, retrieve_next_sibling,
+                                          target_probs.contiguous(), coins, exponentials, num_steps)
+
+
 def distinct_views(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``caches`` without repeats of one view (same address, shape, strides and
     element size: the same bytes, whatever the dtype).

@@ -284,6 +284,92 @@ def verify_tree_greedy(
     return VerifyResult(accept_index.to(torch.int32), accept_length.to(torch.int32), accept_tokens)
 
 
+def verify_tree_sampling(
+    candidates: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    target_probs: torch.Tensor,
+    coins: torch.Tensor,
+    exponentials: torch.Tensor,
+    max_depth: int,
+) -> VerifyResult:
+    """Target-only recursive rejection over the tree (temperature > 0).
+
+    From the root: test the node's children in sibling order. A child with
+    token c is accepted when ``coins[child] * mass < p_res(c)``, i.e. with
+    probability p_res(c) / mass, where p is the target's distribution at the
+    node, p_res is p with every already rejected sibling token zeroed (a
+    duplicate of a rejected token has p_res 0) and mass = 1 - the p_res of
+    the siblings rejected so far. An accepted child becomes the node; when no
+    child is accepted (or the node has none) the step's last token is drawn
+    from p_res at that node by an exponential race:
+    ``argmax_t p_res(t) / exponentials[t]`` (first index on ties), which is a
+    draw from p_res / sum(p_res) for Exp(1) draws.
+
+    Each emitted token is then distributed exactly as the target's p (for any
+    deterministic draft: the drafts need no probabilities, so reduced-vocabulary
+    EAGLE-3 heads are exact too): P(child c) = p(c), and the residual puts the
+    rest of the mass on the remaining tokens in proportion to p.
+
+    candidates, links: [B, T] int64 as in ``verify_tree_greedy``.
+    target_probs: [B, T, V] float32 or float64, the target's next-token
+        distribution at each node after the engine's sampling transforms
+        (rows sum to 1).
+    coins: [B, T] same dtype, U[0, 1): node j's coin is used when node j is
+        tested as a child (the root's is unused).
+    exponentials: [B, V] same dtype, Exp(1) (> 0): the request's final draw.
+    max_depth: D >= the deepest node's depth; outputs are D + 1 wide.
+    Returns ``VerifyResult``; accept_tokens holds the accepted drafts, then
+    the drawn token at index accept_length.
+    """
+    batch, nodes = candidates.shape
+    device = candidates.device
+    width = max_depth + 1
+    rows = torch.arange(batch, device=device)
+    accept_index = torch.full((batch, width), -1, dtype=torch.int64, device=device)
+    accept_index[:, 0] = 0
+    cur = torch.zeros(batch, dtype=torch.int64, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    # tokens rejected at the node where each request's walk stopped: zeroed in the final draw
+    final_rejected = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
+    for depth in range(1, width):
+        p_node = target_probs[rows, cur]  # [B, V]
+        child = retrieve_next_token.gather(1, cur[:, None])[:, 0]
+        chosen = torch.full_like(cur, -1)
+        mass = torch.ones(batch, dtype=target_probs.dtype, device=device)
+        rejected = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
+        for k in range(nodes - 1):  # a node has at most T - 1 children
+            scanning = alive & (chosen < 0) & (child >= 0)
+            if not bool(scanning.any()):
+                break
+            safe = child.clamp(min=0)
+            token = candidates.gather(1, safe[:, None])[:, 0]
+            p = p_node.gather(1, token[:, None])[:, 0]
+            p = torch.where((rejected == token[:, None]).any(dim=1), torch.zeros_like(p), p)
+            hit = scanning & (coins.gather(1, safe[:, None])[:, 0] * mass < p)
+            miss = scanning & ~hit
+            chosen = torch.where(hit, child, chosen)
+            mass = torch.where(miss, mass - p, mass)
+            rejected[:, k] = torch.where(miss, token, rejected[:, k])
+            child = torch.where(miss, retrieve_next_sibling.gather(1, safe[:, None])[:, 0], child)
+        stops = alive & (chosen < 0)
+        final_rejected = torch.where(stops[:, None], rejected, final_rejected)
+        alive = alive & (chosen >= 0)
+        accept_index[:, depth] = torch.where(alive, chosen, -1)
+        cur = torch.where(alive, chosen, cur)
+    residual = target_probs[rows, cur].clone()  # [B, V]
+    residual.scatter_(1, final_rejected.clamp(min=0), 0.0)  # -1 entries zero token 0 ...
+    keep0 = ~(final_rejected == 0).any(dim=1)  # ... so token 0 is restored unless really rejected
+    residual[:, 0] = torch.where(keep0, target_probs[rows, cur, 0], residual[:, 0])
+    drawn = (residual / exponentials).argmax(dim=1)
+    accept_length = (accept_index[:, 1:] >= 0).sum(dim=1)
+    accept_tokens = torch.full_like(accept_index, -1)
+    next_node = torch.cat([accept_index[:, 1:], accept_index.new_full((batch, 1), -1)], dim=1)
+    accept_tokens = torch.where(next_node >= 0, candidates.gather(1, next_node.clamp(min=0)), accept_tokens)
+    accept_tokens[rows, accept_length] = drawn
+    return VerifyResult(accept_index.to(torch.int32), accept_length.to(torch.int32), accept_tokens)
+
+
 def move_accepted_kv(
     caches: Sequence[torch.Tensor],
     verify_slots: torch.Tensor,
