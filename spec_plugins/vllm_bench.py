@@ -2,8 +2,9 @@
 
 The engine part of ``spec-plugins bench`` and ``spec-plugins check``: every
 configuration runs in this process, one after the other, on the same prompts
-(chat-templated), greedy, at each concurrency, and is compared token for
-token with the no-speculation run. vLLM's own EAGLE chain with the same head
+(chat-templated), at each concurrency and temperature (greedy by default;
+temperature > 0 samples with top-p 0.9 and one seed per prompt), and greedy
+outputs are compared token for token with the no-speculation run. vLLM's own EAGLE chain with the same head
 (no ``additional_config``) is the peer every tree is measured against.
 Per configuration and concurrency:
 
@@ -60,6 +61,7 @@ class SpecConfig:
 class RunResult:
     name: str
     concurrency: int = 1
+    temperature: float = 0.0
     all_tokens_per_s: list = field(default_factory=list)  # every repeat's tokens/s (this run: the fastest)
     tokens: list = field(default_factory=list)  # per prompt: generated token ids
     finish_reasons: list = field(default_factory=list)
@@ -104,32 +106,45 @@ def _spec_counts(llm) -> tuple[int, int, list]:
             list(_metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos") or []))
 
 
+SAMPLED_TOP_P = 0.9  # temperature > 0 runs sample with this top-p
+
+
 def run_config(cfg: SpecConfig, model: str, prompts: list[str], max_tokens: int, concurrency=1,
-               progress=None, **engine_extra) -> RunResult | list[RunResult]:
-    """Build the engine, warm it up, then time greedy generation of all prompts
-    at each concurrency (an int: one RunResult; a list: one per value)."""
+               progress=None, temperatures=(0.0,), **engine_extra) -> RunResult | list[RunResult]:
+    """Build the engine, warm it up, then time generation of all prompts at
+    each temperature and concurrency (concurrency an int and one temperature:
+    one RunResult; else a list, temperature-major)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(model, **engine_extra), **spec_kwargs(cfg))
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     levels = concurrency if isinstance(concurrency, (list, tuple)) else [concurrency]
-    results = [_timed_run(llm, cfg, prompts, max_tokens, c, progress) for c in levels]
+    results = [_timed_run(llm, cfg, prompts, max_tokens, c, t, progress) for t in temperatures for c in levels]
     del llm
     gc.collect()
-    return results if isinstance(concurrency, (list, tuple)) else results[0]
+    return results if isinstance(concurrency, (list, tuple)) or len(temperatures) > 1 else results[0]
 
 
-def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concurrency: int, progress) -> RunResult:
+def sampling_params(temperature: float, max_tokens: int, n: int) -> list:
+    """One SamplingParams per prompt: greedy, or sampled with top-p and a seed per prompt."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if temperature == 0:
+        return [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * n
+    return [SamplingParams(temperature=temperature, top_p=SAMPLED_TOP_P, seed=i, max_tokens=max_tokens)
+            for i in range(n)]
+
+
+def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concurrency: int, temperature: float,
+               progress) -> RunResult:
+    params = sampling_params(temperature, max_tokens, len(prompts))
     d0, a0, p0 = _spec_counts(llm)
     stats0 = _runner_stats(llm) if cfg.head and not cfg.engine_chain else {}
-    res = RunResult(cfg.name, concurrency=concurrency)
+    res = RunResult(cfg.name, concurrency=concurrency, temperature=temperature)
     t0 = time.perf_counter()
     for i in range(0, len(prompts), concurrency):
-        for out in llm.generate(prompts[i : i + concurrency], params, use_tqdm=False):
+        for out in llm.generate(prompts[i : i + concurrency], params[i : i + concurrency], use_tqdm=False):
             res.tokens.append(list(out.outputs[0].token_ids))
             res.finish_reasons.append(out.outputs[0].finish_reason)
         if progress:
@@ -157,12 +172,15 @@ def first_difference(reference: list[int], got: list[int]) -> int | None:
 
 
 def summarize(base: RunResult, res: RunResult, cfg: SpecConfig, peer: RunResult | None = None) -> dict:
-    """One table row. base: no speculation at the same concurrency; peer:
-    vLLM's own chain with the same head at the same concurrency (None: none run)."""
-    row = {"config": res.name, "concurrency": res.concurrency, "tokens_per_s": round(res.tokens_per_s, 2),
-           "all_tokens_per_s": res.all_tokens_per_s,
+    """One table row. base: no speculation at the same concurrency and
+    temperature; peer: vLLM's own chain with the same head there (None: none
+    run). ``identical`` (to no speculation) is None for sampled runs: their
+    draws differ by design; their distribution is tested in the test suite."""
+    greedy = res.temperature == 0
+    row = {"config": res.name, "concurrency": res.concurrency, "temperature": res.temperature,
+           "tokens_per_s": round(res.tokens_per_s, 2), "all_tokens_per_s": res.all_tokens_per_s,
            "seconds": round(res.seconds, 2), "generated": res.generated,
-           "identical": res.tokens == base.tokens and res.finish_reasons == base.finish_reasons}
+           "identical": (res.tokens == base.tokens and res.finish_reasons == base.finish_reasons) if greedy else None}
     if cfg.head is None:
         return row
     steps = cfg.shape[0]
@@ -196,30 +214,34 @@ def peer_of(cfg: SpecConfig, configs: list[SpecConfig]) -> SpecConfig | None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| config | conc | tok/s | vs no-spec | vs vLLM chain | tau | tau per depth | step ms: target / head / "
-             "ours (ours %) | t_V/t_T | c | predicted | identical |",
-             "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|:---:|"]
+    lines = ["| config | conc | temp | tok/s | vs no-spec | vs vLLM chain | tau | tau per depth | step ms: target / "
+             "head / ours (ours %) | t_V/t_T | c | predicted | identical |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|:---:|"]
     for r in rows:
         cm, st = r.get("cost_model", {}), r.get("step_ms")
         depth = " ".join(f"{x:.2f}" for x in r.get("tau_per_depth", []))
         steps = (f"{st['target']} / {st['head']} / {st['ours']} ({100 * st['ours_share']:.0f}%)" if st else "-")
         peer = r.get("vs_vllm_chain")
-        lines.append(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} | "
+        same = {True: "yes", False: "NO", None: "n/a (sampled)"}[r["identical"]]
+        lines.append(f"| {r['config']} | {r['concurrency']} | {r.get('temperature', 0.0):g} | {r['tokens_per_s']:.1f} | "
+                     f"{r.get('speedup', 1.0):.2f} | "
                      f"{f'{peer:.2f}' if peer else '-'} | {r['tau'] if r.get('tau') else '-'} | {depth or '-'} | "
                      f"{steps} | {cm.get('t_V_over_t_T', '-')} | {cm.get('c', '-')} | "
-                     f"{cm.get('predicted_speedup', '-')} | {'yes' if r['identical'] else 'NO'} |")
+                     f"{cm.get('predicted_speedup', '-')} | {same} |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Tokens/s vs no speculation over T, one panel per concurrency: our chains
-    and trees as separate series per head, vLLM's own chain as a reference line."""
+    """Tokens/s vs no speculation over T, one panel per concurrency (greedy
+    runs): our chains and trees as separate series per head, vLLM's own chain
+    as a reference line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
+    rows = [r for r in rows if not r.get("temperature")]
     levels = sorted({r["concurrency"] for r in rows})
     fig, axes = plt.subplots(1, len(levels), figsize=(5.5 * len(levels), 4), squeeze=False)
     colors = {"eagle3": "tab:blue", "eagle1": "tab:orange"}

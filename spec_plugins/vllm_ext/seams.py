@@ -150,7 +150,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.v1.utils:CpuGpuBuffer", "np", "attr", why="host view of query_start_loc etc."),
     Seam("vllm.v1.utils:CpuGpuBuffer", "gpu", "attr", why="device view of slot_mapping"),
     Seam("vllm.v1.worker.gpu_input_batch:CachedRequestState", "sampling_params", "field",
-         why="only plain greedy requests are speculated"),
+         why="which requests are speculated (requests.py); min_p of sampled ones"),
     Seam("vllm.v1.spec_decode.eagle:EagleProposer", "_draft_attn_layer_names", "attr",
          why="the head's KV layer (vLLM's drafter allocates it)"),
     Seam("vllm.v1.spec_decode.eagle:EagleProposer", "kv_cache_gid", "attr", why="the head's KV cache group"),
@@ -180,8 +180,17 @@ SEAMS: tuple[Seam, ...] = (
          "mixed batches build it"),
     *(Seam("vllm.v1.sample.metadata:SamplingMetadata", f, "field", why="read / replaced by the tree walk")
       for f in ("all_greedy", "spec_token_ids", "max_num_logprobs")),
-    Seam("vllm.sampling_params:SamplingType", "GREEDY", "member", why="only greedy requests are speculated"),
-    Seam("vllm.sampling_params:SamplingParams", "sampling_type", "attr", why="only greedy requests are speculated"),
+    *(Seam("vllm.v1.sample.metadata:SamplingMetadata", f, "field",
+           why="sampled requests' per-row temperature / top-k / top-p and seeded generators (sampling.py)")
+      for f in ("temperature", "top_k", "top_p", "generators")),
+    Seam("vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_top_p", "method", "logits, k, p",
+         "sampling.node_probs applies vLLM's own top-k / top-p to the tree's rows"),
+    Seam(BATCH, "random_reqs", "attr", why="which tree rows are walked by target-only rejection"),
+    Seam("vllm.v1.sample.logits_processor:LogitsProcessors", "argmax_invariant", "attr",
+         why="a plugin's argmax-invariant processor keeps sampled requests from speculating"),
+    Seam("vllm.sampling_params:SamplingType", "GREEDY", "member", why="greedy requests: argmax walk"),
+    Seam("vllm.sampling_params:SamplingParams", "sampling_type", "attr", why="greedy or sampled walk"),
+    Seam("vllm.sampling_params:SamplingParams", "min_p", "field", why="sampling.node_probs applies it per node"),
     *(Seam("vllm.sampling_params:SamplingParams", f, "field", why="requests using it are not speculated") for f in (
         "presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words", "allowed_token_ids",
         "min_tokens", "logprobs", "structured_outputs")),

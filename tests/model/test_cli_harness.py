@@ -108,3 +108,20 @@ def test_bench_runs_the_peer_levels_and_repeats(tmp_path):
     ours = [r for r in rows if r["config"] == "eagle3 chain(3)"]
     assert all(r["vs_vllm_chain"] and r["step_ms"]["target"] > 0 and 0 < r["step_ms"]["ours_share"] < 1 for r in ours)
     assert (out / "bench.png").stat().st_size > 10_000
+
+
+def test_bench_sampled_rows_report_tau_without_identity(tmp_path):
+    """``--temperatures 0 0.8``: a greedy and a sampled row per configuration;
+    sampled rows are not compared token for token (identical None) but report
+    tau from vLLM's metrics for our tree and vLLM's chain alike."""
+    out = tmp_path / "bench"
+    rc = cli.main(["bench", "--heads", "eagle3", "--shapes", "3,1,4", "3,2,4", "--num-prompts", "2",
+                   "--max-tokens", "16", "--concurrency", "2", "--temperatures", "0", "0.8", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["config"], r["temperature"]) for r in rows] == [
+        (n, t) for t in (0.0, 0.8) for n in ("no-spec", "vllm eagle3 chain(3)", "eagle3 chain(3)", "eagle3 tree(3,2,4)")]
+    assert all(r["identical"] is (True if r["temperature"] == 0 else None) for r in rows)
+    sampled = [r for r in rows if r["temperature"] and r["config"] != "no-spec"]
+    assert all(r["drafts"] > 0 and r["tau"] for r in sampled), sampled
+    assert "n/a (sampled)" in (out / "results.md").read_text()

@@ -112,6 +112,11 @@ def batches(prompts, raw):
     return {"all_greedy": all_greedy, "with_scores": with_scores, "mixed": mixed}
 
 
+# (batch, index) of the sampled request with min_p: speculated, its distribution is
+# tested in test_vllm_tree_sampling.py; the biased sampled one is not speculated.
+SPECULATED_SAMPLED = {("mixed", 1)}
+
+
 def outputs(result):
     return [(list(o.outputs[0].token_ids), logprob_summary(o.outputs[0].logprobs)) for o in result]
 
@@ -150,6 +155,9 @@ def test_requests_served_as_without_speculation(served, batch):
     and logprobs as the engine without speculation (findings 6, 7 and the
     min_p / logit_bias refusal), next to speculated greedy requests."""
     for i, (want, got) in enumerate(zip(served["plain"][batch], served["tree"][batch])):
+        if (batch, i) in SPECULATED_SAMPLED:  # drawn through the tree walk: same distribution, other draws
+            assert len(got[0]) == len(want[0]) and got[1] is None
+            continue
         assert got[0] == want[0], f"{batch} request {i}: tokens {got[0]} != {want[0]}"
         assert got[1] == want[1], f"{batch} request {i}: logprobs differ"
 
