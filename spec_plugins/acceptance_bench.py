@@ -4,17 +4,23 @@
 
 For every prompt (chat set + HumanEval, chat-templated) it runs plain greedy
 decoding and the reference tree decoder (``spec_plugins.reference_decoder``)
-for each head and (num_steps, topk, num_draft_tokens) configuration, in the
+for each head, (num_steps, topk, num_draft_tokens) configuration and
+temperature (``--temperatures``, default 0 0.7 1.0; temperature > 0 samples
+with ``--top-p`` 0.9 through ``verify_tree_sampling``, seeded per prompt and
+temperature: ``--seed`` + 1000 * prompt index + temperature index), in the
 same process, interleaved per prompt, and reports:
 
 * tau: tokens emitted per verify step (mean), and acceptance by depth
-  (fraction of verify steps that accepted a draft at depth d);
+  (fraction of verify steps that accepted a draft at depth d), per head x
+  shape x temperature;
 * S: draft forwards per step (num_steps: num_steps - 1 tree steps + 1 extend);
 * the seed's cost model, measured on this CPU: t_T (one-token target forward),
   t_V(T) (verify forward over T tree nodes), c (mean draft forward / t_T), the
   predicted speedup tau / (t_V/t_T + S*c), and the measured wall-clock speedup
-  of the reference decoder over plain greedy (tokens per second ratio);
-* whether every configuration's greedy output equals plain greedy.
+  of the reference decoder over plain greedy (tokens per second ratio; sampled
+  rows too, against the same greedy baseline);
+* whether every configuration's greedy output equals plain greedy (temperature
+  0; sampled rows are exact in distribution, not token-identical: "n/a").
 
 Writes ``results.json``, ``results.md`` (the table) and ``acceptance.png``.
 """
@@ -51,8 +57,10 @@ def run(args) -> dict:
     decoders = {h: TreeDecoder(target, load_head(h, target)) for h in args.heads}
     prompts = eval_prompts(num_humaneval=args.num_humaneval, num_chat=args.num_chat)
     shapes = args.shapes or (CHAINS + TREES)
-    runs = {(h, s): {"tokens": 0, "seconds": 0.0, "accept": [], "lossless": True, "mismatch": [],
-                     "timer": {"seconds": {}, "calls": {}}} for h in args.heads for s in shapes}
+    temps = args.temperatures
+    runs = {(h, s, t): {"tokens": 0, "seconds": 0.0, "accept": [], "lossless": True if t == 0 else None,
+                        "mismatch": [], "timer": {"seconds": {}, "calls": {}}}
+            for h in args.heads for s in shapes for t in temps}
     base = {"tokens": 0, "seconds": 0.0, "t1_seconds": 0.0, "t1_calls": 0}
     vocab_sets = {h: set(d.head.draft_to_target().tolist()) for h, d in decoders.items()}
     covered = {h: 0 for h in args.heads}
@@ -68,17 +76,14 @@ def run(args) -> dict:
             covered[h] += sum(t in vocab_sets[h] for t in ref.tokens)
         for h in args.heads:
             for s in shapes:
-                out = decoders[h].generate(ids, args.max_new_tokens, *s)
-                r = runs[(h, s)]
-                r["tokens"] += len(out.tokens)
-                r["seconds"] += out.seconds
-                r["accept"].extend(out.accept_lengths)
-                if out.tokens != ref.tokens:
-                    r["lossless"] = False
-                    r["mismatch"].append(p.id)
-                for k, v in out.timer.seconds.items():
-                    r["timer"]["seconds"][k] = r["timer"]["seconds"].get(k, 0.0) + v
-                    r["timer"]["calls"][k] = r["timer"]["calls"].get(k, 0) + out.timer.calls[k]
+                for ti, t in enumerate(temps):
+                    out = decoders[h].generate(ids, args.max_new_tokens, *s, temperature=t, top_p=args.top_p,
+                                               top_k=args.top_k, seed=args.seed + 1000 * pi + ti)
+                    r = runs[(h, s, t)]
+                    _accumulate(r, out)
+                    if t == 0 and out.tokens != ref.tokens:
+                        r["lossless"] = False
+                        r["mismatch"].append(p.id)
         el = time.time() - t_start
         print(f"[bench] prompt {pi + 1}/{len(prompts)} ({p.id}, {len(ids)} prompt tokens) done, {el / 60:.1f} min",
               flush=True)
@@ -88,7 +93,7 @@ def run(args) -> dict:
     t_T = base["t1_seconds"] / max(1, base["t1_calls"])
     base_tps = base["tokens"] / base["seconds"]
     rows = []
-    for (h, s), r in runs.items():
+    for (h, s, temp), r in runs.items():
         steps, topk, T = s
         acc = r["accept"]
         n = max(1, len(acc))
@@ -103,6 +108,7 @@ def run(args) -> dict:
         measured = (r["tokens"] / r["seconds"]) / base_tps
         rows.append({
             "head": h, "num_steps": steps, "topk": topk, "num_draft_tokens": T, "kind": "chain" if topk == 1 else "tree",
+            "temperature": temp, "top_p": args.top_p if temp > 0 else None, "top_k": args.top_k if temp > 0 else None,
             "tau": round(tau, 3), "accept_by_depth": by_depth, "verify_steps": len(acc), "S": steps,
             "t_V_over_t_T": round(t_V / t_T, 3), "c": round(c, 4), "predicted_speedup": round(predicted, 3),
             "measured_speedup": round(measured, 3), "tokens_per_s": round(r["tokens"] / r["seconds"], 2),
@@ -113,6 +119,8 @@ def run(args) -> dict:
     return {
         "target": "SmolLM2-135M-Instruct fp32 (HF transformers, sdpa, float 4D tree mask)",
         "prompts": [p.id for p in prompts], "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+        "temperatures": temps, "top_p": args.top_p, "top_k": args.top_k,
+        "seeds": f"{args.seed} + 1000 * prompt index + temperature index",
         "baseline": {"tokens": base["tokens"], "seconds": round(base["seconds"], 2),
                      "tokens_per_s": round(base_tps, 2), "t_T_ms": round(1000 * t_T, 2)},
         "draft_vocab_coverage_of_greedy_outputs": {h: round(covered[h] / max(1, base["tokens"]), 4)
@@ -121,11 +129,21 @@ def run(args) -> dict:
     }
 
 
+def _accumulate(r: dict, out) -> None:
+    r["tokens"] += len(out.tokens)
+    r["seconds"] += out.seconds
+    r["accept"].extend(out.accept_lengths)
+    for k, v in out.timer.seconds.items():
+        r["timer"]["seconds"][k] = r["timer"]["seconds"].get(k, 0.0) + v
+        r["timer"]["calls"][k] = r["timer"]["calls"].get(k, 0) + out.timer.calls[k]
+
+
 def _print_partial(runs, base):
     parts = []
-    for (h, s), r in runs.items():
+    for (h, s, t), r in runs.items():
         if r["accept"]:
-            parts.append(f"{h}{s}: tau {1 + sum(r['accept']) / len(r['accept']):.2f}{'' if r['lossless'] else ' MISMATCH'}")
+            parts.append(f"{h}{s}@{t:g}: tau {1 + sum(r['accept']) / len(r['accept']):.2f}"
+                         f"{' MISMATCH' if r['lossless'] is False else ''}")
     print("[bench]   " + "; ".join(parts), flush=True)
 
 
@@ -143,23 +161,56 @@ def merge(results: list[dict]) -> dict:
             "baselines": [r["baseline"] for r in results], "minutes": max(r["minutes"] for r in results)}
 
 
+def _temp(row: dict) -> float:
+    return row.get("temperature", 0.0)  # results from before --temperatures are greedy
+
+
+def _lossless(row: dict) -> str:
+    if _temp(row) > 0:
+        return "n/a (sampled)"
+    return "yes" if row["lossless"] else "NO: " + ",".join(row["mismatched_prompts"])
+
+
+def tau_table(res: dict) -> list[str]:
+    """tau per head x shape (rows) and temperature (columns): chains and trees next to greedy."""
+    temps = sorted({_temp(r) for r in res["rows"]})
+    configs = list(dict.fromkeys((r["head"], r["num_steps"], r["topk"], r["num_draft_tokens"], r["kind"])
+                                 for r in res["rows"]))
+    tau = {(r["head"], r["num_steps"], r["topk"], r["num_draft_tokens"], r["kind"], _temp(r)): r["tau"]
+           for r in res["rows"]}
+    names = ["greedy" if t == 0 else f"T={t:g}" for t in temps]
+    lines = ["| head | (steps, topk, T) | kind | " + " | ".join(f"tau {n}" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(temps)]
+    for c in configs:
+        cells = [f"{tau[c + (t,)]:.2f}" if c + (t,) in tau else "-" for t in temps]
+        lines.append(f"| {c[0]} | ({c[1]}, {c[2]}, {c[3]}) | {c[4]} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def table(res: dict) -> str:
     bases = res.get("baselines", [res["baseline"]])
+    sampled = [t for t in res.get("temperatures", [0.0]) if t > 0]
     lines = [
         "Baseline greedy (per process): " + "; ".join(f"{b['tokens_per_s']} tok/s, t_T = {b['t_T_ms']} ms" for b in bases)
         + f" ({len(res['prompts'])} prompts x <= {res['max_new_tokens']} new tokens, {res['threads']} threads)",
         "Draft-vocabulary coverage of the greedy outputs: "
         + ", ".join(f"{h}: {c:.3f}" for h, c in res.get("draft_vocab_coverage_of_greedy_outputs", {}).items()),
-        "",
-        "| head | (steps, topk, T) | kind | tau | accept by depth | S | t_V/t_T | c | predicted | measured | lossless |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if sampled:
+        lines.append(f"Sampled rows (temperature {', '.join(f'{t:g}' for t in sampled)}): top-p {res['top_p']}"
+                     + (f", top-k {res['top_k']}" if res.get("top_k") else "")
+                     + f", seeds {res['seeds']}; verify_tree_sampling (target-only recursive rejection, exact in "
+                     "distribution); measured speedup against the greedy baseline's tokens/s.")
+    lines += ["", *tau_table(res), "",
+              "| head | (steps, topk, T) | kind | temperature | tau | accept by depth | S | t_V/t_T | c | predicted | "
+              "measured | lossless |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(
-            f"| {r['head']} | ({r['num_steps']}, {r['topk']}, {r['num_draft_tokens']}) | {r['kind']} | {r['tau']:.2f} | "
+            f"| {r['head']} | ({r['num_steps']}, {r['topk']}, {r['num_draft_tokens']}) | {r['kind']} | "
+            f"{_temp(r):g} | {r['tau']:.2f} | "
             f"{' '.join(f'{x:.2f}' for x in r['accept_by_depth'])} | {r['S']} | {r['t_V_over_t_T']:.2f} | "
-            f"{r['c']:.3f} | {r['predicted_speedup']:.2f}x | {r['measured_speedup']:.2f}x | "
-            f"{'yes' if r['lossless'] else 'NO: ' + ','.join(r['mismatched_prompts'])} |"
+            f"{r['c']:.3f} | {r['predicted_speedup']:.2f}x | {r['measured_speedup']:.2f}x | {_lossless(r)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -172,27 +223,45 @@ def plot(res: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    temps = sorted({_temp(r) for r in res["rows"]})
+    speed_temp = temps[0]  # the speedup panel shows one temperature (greedy when run)
     for head in sorted({r["head"] for r in res["rows"]}):
         for kind, marker in (("chain", "o"), ("tree", "s")):
-            color = next(colors)
-            rows = sorted([r for r in res["rows"] if r["head"] == head and r["kind"] == kind],
-                          key=lambda r: r["num_draft_tokens"])
+            rows = [r for r in res["rows"] if r["head"] == head and r["kind"] == kind]
             if not rows:
                 continue
+            color = next(colors)
+            if len(temps) == 1:  # tau against the tree size
+                rows.sort(key=lambda r: r["num_draft_tokens"])
+                axes[0].plot([r["num_draft_tokens"] for r in rows], [r["tau"] for r in rows], marker=marker,
+                             color=color, label=f"{head} {kind}")
+            else:  # tau against the temperature, one line per shape
+                shapes = sorted({(r["num_steps"], r["topk"], r["num_draft_tokens"]) for r in rows})
+                for i, shape in enumerate(shapes):
+                    line = sorted([r for r in rows if (r["num_steps"], r["topk"], r["num_draft_tokens"]) == shape],
+                                  key=_temp)
+                    axes[0].plot([_temp(r) for r in line], [r["tau"] for r in line], marker=marker, color=color,
+                                 linestyle=["-", "--", "-.", ":"][i % 4], label=f"{head} {kind} {shape}")
+            rows = sorted([r for r in rows if _temp(r) == speed_temp], key=lambda r: r["num_draft_tokens"])
             T = [r["num_draft_tokens"] for r in rows]
-            axes[0].plot(T, [r["tau"] for r in rows], marker=marker, color=color, label=f"{head} {kind}")
             axes[1].plot(T, [r["measured_speedup"] for r in rows], marker=marker, color=color,
                          label=f"{head} {kind} measured")
             axes[1].plot(T, [r["predicted_speedup"] for r in rows], marker=marker, color=color, linestyle=":",
                          mfc="none", label=f"{head} {kind} predicted")
-    axes[0].set(xscale="log", xlabel="verified nodes T", ylabel="tau (tokens / verify step)",
-                title="Acceptance length")
+    if len(temps) == 1:
+        axes[0].set(xscale="log", xlabel="verified nodes T")
+    else:
+        axes[0].set(xlabel="temperature (0 = greedy; sampled with top-p " + f"{res.get('top_p')})")
+        axes[0].set_xticks(temps, [f"{t:g}" for t in temps])
+    axes[0].set(ylabel="tau (tokens / verify step)", title="Acceptance length")
     axes[1].axhline(1.0, color="gray", lw=0.8)
     axes[1].set(xscale="log", xlabel="verified nodes T", ylabel="speedup over greedy",
-                title="Speedup (reference decoder, this CPU)")
+                title="Speedup (reference decoder, this CPU, "
+                      + ("greedy)" if speed_temp == 0 else f"temperature {speed_temp:g})"))
     ticks = sorted({r["num_draft_tokens"] for r in res["rows"]})
-    for ax in axes:
+    for ax in axes if len(temps) == 1 else axes[1:]:
         ax.set_xticks(ticks, [str(t) for t in ticks])
+    for ax in axes:
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -207,6 +276,13 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", nargs="+", default=["eagle3", "eagle1"])
     ap.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
                     help="num_steps,topk,num_draft_tokens ... (default: chains 3/5/7 and four trees)")
+    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7, 1.0],
+                    help="0 = greedy (checked token-identical to plain greedy); > 0 = sampled with --top-p/--top-k")
+    ap.add_argument("--top-p", type=float, default=0.9, help="top-p of the sampled temperatures")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k of the sampled temperatures (0: off)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="sampled runs use seed + 1000 * prompt index + temperature index (the same for every "
+                         "head and shape)")
     ap.add_argument("--num-chat", type=int, default=6)
     ap.add_argument("--num-humaneval", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -216,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", nargs="+", type=Path, default=None,
                     help="combine the results.json of these output folders into --out instead of running")
     args = ap.parse_args(argv)
+    if any(t < 0 for t in args.temperatures) or len(set(args.temperatures)) != len(args.temperatures):
+        ap.error("--temperatures must be distinct and >= 0")
     if args.merge:
         res = merge([json.loads((d / "results.json").read_text()) for d in args.merge])
         args.heads = sorted({r["head"] for r in res["rows"]})
@@ -232,10 +310,11 @@ def main(argv=None) -> int:
         from spec_plugins.heads import SHIPPED, head_path
         from spec_plugins.training.card import write_card
 
+        greedy = {**res, "rows": [r for r in res["rows"] if _temp(r) == 0]}  # the cards' table is greedy
         for h in args.heads:
             if h in SHIPPED:
-                write_card(head_path(h), bench=res)
-    return 0 if all(r["lossless"] for r in res["rows"]) else 1
+                write_card(head_path(h), bench=greedy)
+    return 0 if all(r["lossless"] is not False for r in res["rows"]) else 1
 
 
 if __name__ == "__main__":

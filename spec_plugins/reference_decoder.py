@@ -1,27 +1,36 @@
 """A small, readable EAGLE tree speculative decoder on HF transformers.
 
 The engine-free oracle for the vLLM/SGLang integrations and the tool that
-measures acceptance length (tau) on real text. Batch 1, greedy, any tree shape:
+measures acceptance length (tau) on real text. Batch 1, any tree shape, greedy
+or sampled:
 
     dec = TreeDecoder(target, head)                      # HF LlamaForCausalLM + spec_plugins.heads.EagleHead
     out = dec.generate(prompt_ids, max_new_tokens=128, num_steps=5, topk=4, num_draft_tokens=8)
     out.tokens == dec.greedy(prompt_ids, 128).tokens     # lossless
+    out = dec.generate(prompt_ids, 128, 5, 4, 8, temperature=0.7, top_p=0.9, seed=0)
+    # distributed exactly as dec.sample(prompt_ids, 128, temperature=0.7, top_p=0.9)
 
-One iteration (SGLang's EAGLE-2 pipeline, with ``spec_tree_kernels`` ops):
+One iteration (SGLang's EAGLE-2 pipeline, with ``spec_tree_kernels`` ops), one
+method each:
 
-1. draft: the head expands the root's top-k children, then num_steps - 1
-   forwards grow the k best paths by cumulative probability; every candidate
-   goes to a pool (K + (S-1) K^2 scores, SGLang's order and parent_list);
-2. ``select_tree_nodes`` keeps the T - 1 best (ancestor-closed), ``build_tree``
-   gives positions (context + depth), the QLEN_ONLY ancestor mask and the
-   first-child / next-sibling links;
-3. verify: one target forward over the T nodes with a float 4D additive mask
-   (prefix visible, tree columns = ancestors-or-self) over the KV cache;
-4. ``verify_tree_greedy`` walks the tree with the target's argmax;
-5. ``move_accepted_kv`` compacts the accepted path's KV to the front of the
-   verify slots, the cache is cropped behind it;
-6. the head extends its own KV cache over the accepted tokens (with the target's
-   features at the accepted nodes), producing the next root's distribution.
+* ``_draft``: the head expands the root's top-k children, then num_steps - 1
+  forwards grow the k best paths by cumulative probability; every candidate
+  goes to a pool (K + (S-1) K^2 scores, SGLang's order and parent_list);
+* ``_build``: ``select_tree_nodes`` keeps the T - 1 best (ancestor-closed),
+  ``build_tree`` gives positions (context + depth), the QLEN_ONLY ancestor mask
+  and the first-child / next-sibling links;
+* ``_verify``: one target forward over the T nodes with a float 4D additive
+  mask (prefix visible, tree columns = ancestors-or-self) over the KV cache,
+  then the walk: ``verify_tree_greedy`` with the target's argmax (temperature
+  0), or ``verify_tree_sampling`` (temperature > 0: target-only recursive
+  rejection with the target's ``sampling_probs`` at every node and randoms from
+  the request's seeded generator; exact in distribution because the drafts are
+  deterministic top-k picks);
+* ``_move``: ``move_accepted_kv`` compacts the accepted path's KV to the front
+  of the verify slots, the cache is cropped behind it;
+* ``_extend``: the head extends its own KV cache over the accepted tokens (with
+  the target's features at the accepted nodes), producing the next root's
+  distribution.
 
 The chain is the degenerate tree: topk = 1, num_draft_tokens = num_steps + 1.
 Draft forwards per iteration S = num_steps (num_steps - 1 tree steps + 1 extend).
@@ -36,6 +45,72 @@ import torch
 
 import spec_tree_kernels as stk
 from spec_plugins.tree_drafting import draft_pool
+
+
+def check_sampling_params(temperature: float, top_k: int, top_p: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"sampling needs temperature > 0, got {temperature}")
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k}, top_p={top_p}")
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution a sampled request draws from, given the target's logits [..., V].
+
+    softmax(logits / temperature), restricted to the top_k largest logits (0:
+    no limit; ties with the k-th are kept), then to the smallest set of most
+    likely tokens whose mass reaches top_p (1.0: no limit; the most likely
+    token always stays), renormalized. float64 logits stay float64, anything
+    else is computed in float32. The plain sampling baseline, the first token
+    of ``generate`` and every verified tree node use this one function.
+    """
+    check_sampling_params(temperature, top_k, top_p)
+    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(-1)
+    if top_p < 1:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p  # the more likely tokens already reach top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@dataclass
+class Sampling:
+    """A sampled request's parameters and its random stream (temperature > 0)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator
+
+    @classmethod
+    def create(cls, temperature: float, top_k: int, top_p: float, seed: int | None) -> "Sampling":
+        gen = torch.Generator()
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        check_sampling_params(temperature, top_k, top_p)
+        return cls(temperature, top_k, top_p, gen)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return sampling_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def draw(self, logits: torch.Tensor) -> int:
+        """One token from the distribution at logits [V]."""
+        return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
+
+    def randoms(self, nodes: int, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``verify_tree_sampling``'s randoms for one verify step: coins [1, nodes]
+        U[0, 1) and exponentials [1, vocab] Exp(1), kept > 0."""
+        coins = torch.rand(1, nodes, generator=self.generator, dtype=dtype)
+        exponentials = torch.empty(1, vocab, dtype=dtype).exponential_(generator=self.generator)
+        return coins, exponentials.clamp_(min=torch.finfo(dtype).tiny)
 
 
 @dataclass
@@ -114,6 +189,26 @@ class Target:
         return views
 
 
+@dataclass
+class _State:
+    """What one speculative iteration reads and updates."""
+
+    cache: object  # the target's DynamicCache, length kv_len
+    draft_k: torch.Tensor  # the head's KV of the context [kv_len, Hkv, D]
+    draft_v: torch.Tensor
+    last_logits: torch.Tensor  # the head's output at position kv_len - 1 (ranks the root's children)
+    last_hidden: torch.Tensor
+    kv_len: int  # target cache length == head cache length == position of the root
+    root: int  # the last emitted token, not yet in either cache
+
+
+@dataclass
+class _Tree:
+    candidates: torch.Tensor  # [T] node tokens, node 0 = the root
+    tree: object  # build_tree's result (positions, mask, links)
+    bias: torch.Tensor  # [T, kv_len + T] additive verify mask
+
+
 class TreeDecoder:
     def __init__(self, target_model, head, impl: str = "torch"):
         self.target = Target(target_model, head.c.aux_layer_ids if head.c.kind == "eagle3" else ())
@@ -122,10 +217,21 @@ class TreeDecoder:
         self.impl = impl  # spec_tree_kernels implementation ("torch" on CPU)
         self.eos = target_model.config.eos_token_id
 
-    # ------------------------------------------------------------------ greedy
+    # ------------------------------------------------------------- baselines
     @torch.no_grad()
     def greedy(self, prompt_ids, max_new_tokens: int, stop_at_eos: bool = True) -> Output:
         """Plain greedy decoding, one target forward per token (the baseline)."""
+        return self._autoregressive(prompt_ids, max_new_tokens, lambda logits: int(logits.argmax()), stop_at_eos)
+
+    @torch.no_grad()
+    def sample(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int | None = None, stop_at_eos: bool = True) -> Output:
+        """Plain sampling from ``sampling_probs``, one target forward per token (the
+        baseline ``generate(temperature > 0)`` matches in distribution)."""
+        sampling = Sampling.create(temperature, top_k, top_p, seed)
+        return self._autoregressive(prompt_ids, max_new_tokens, sampling.draw, stop_at_eos)
+
+    def _autoregressive(self, prompt_ids, max_new_tokens: int, pick, stop_at_eos: bool) -> Output:
         out = Output(tokens=[])
         t0 = time.perf_counter()
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
@@ -133,7 +239,7 @@ class TreeDecoder:
         logits, _, _ = self.target.forward(ids, torch.arange(len(ids)), cache, features=False)
         pos = len(ids)
         while True:
-            tok = int(logits[-1].argmax())
+            tok = pick(logits[-1])
             out.tokens.append(tok)
             if len(out.tokens) >= max_new_tokens or (stop_at_eos and tok == self.eos):
                 break
@@ -145,78 +251,31 @@ class TreeDecoder:
         return out
 
     # ------------------------------------------------------------- speculative
-    def _features(self, aux, final):
-        return self.head.fuse(aux if self.kind == "eagle3" else final)
-
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, num_steps: int, topk: int, num_draft_tokens: int,
-                 stop_at_eos: bool = True) -> Output:
+                 stop_at_eos: bool = True, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None) -> Output:
+        """Tree speculative decoding. temperature 0: greedy (token-identical to
+        ``greedy``); temperature > 0: distributed as ``sample`` with the same
+        temperature / top_p / top_k (randoms from a generator seeded by ``seed``;
+        None: a fresh seed)."""
         stk.validate_tree_shape(num_steps, topk, num_draft_tokens)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        sampling = Sampling.create(temperature, top_k, top_p, seed) if temperature > 0 else None
         out = Output(tokens=[])
-        tm = out.timer
         t0 = time.perf_counter()
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long)
-        n = len(ids)
-        cache = self.target.new_cache()
-        # Prefill the target; its argmax is the first root (bonus) token.
-        logits, aux, final = self.target.forward(ids, torch.arange(n), cache)
-        root = int(logits[-1].argmax())
-        out.tokens.append(root)
-        # Prefill the head: position p reads token p + 1 and the target's features at p.
-        t1 = time.perf_counter()
-        d_logits, d_hidden, dk, dv = self.head.step(torch.cat([ids[1:], torch.tensor([root])]),
-                                                    self._features(aux, final), torch.arange(n))
-        tm.add("draft_prefill", time.perf_counter() - t1)
-        last_logits, last_hidden = d_logits[-1], d_hidden[-1]
-        kv_len = n  # target cache length == head cache length == position of the root
+        state = self._prefill(torch.as_tensor(prompt_ids, dtype=torch.long), sampling, out)
         while len(out.tokens) < max_new_tokens and not (stop_at_eos and out.tokens[-1] == self.eos):
-            # 1. draft the pool
-            t1 = time.perf_counter()
-            scores, pool_tokens, parent_list = draft_pool(self.head, last_logits, last_hidden, dk, dv, kv_len,
-                                                          num_steps, topk, tm.add)
-            tm.add("draft_tree", time.perf_counter() - t1)
-            # 2. select + build
-            t1 = time.perf_counter()
-            selected = stk.select_tree_nodes(scores[None], parent_list[None], topk, num_steps, num_draft_tokens,
-                                             impl=self.impl)
-            tree = stk.build_tree(selected, parent_list[None], torch.tensor([kv_len]), topk, num_steps,
-                                  stk.TreeMaskMode.QLEN_ONLY, impl=self.impl)
-            T = num_draft_tokens
-            candidates = torch.cat([torch.tensor([root]), pool_tokens[selected[0]]])
-            anc = tree.tree_mask.view(T, T)
-            bias = torch.zeros(T, kv_len + T)
-            bias[:, kv_len:] = torch.where(anc, 0.0, float("-inf"))
-            tm.add("tree_ops", time.perf_counter() - t1)
-            # 3. verify
-            t1 = time.perf_counter()
-            logits, aux, final = self.target.forward(candidates, tree.positions[0], cache, bias)
-            tm.add("verify", time.perf_counter() - t1)
-            # 4. greedy walk
-            t1 = time.perf_counter()
-            predict = logits.argmax(-1)
-            res = stk.verify_tree_greedy(candidates[None], tree.retrieve_next_token, tree.retrieve_next_sibling,
-                                         predict[None], num_steps, impl=self.impl)
+            pool = self._draft(state, num_steps, topk, out.timer)
+            tree = self._build(state, pool, num_steps, topk, num_draft_tokens, out.timer)
+            logits, aux, final, res = self._verify(state, tree, num_steps, sampling, out.timer)
             acc = int(res.accept_length[0])
-            path = res.accept_index[0, : acc + 1].long()
             emitted = res.accept_tokens[0, : acc + 1]
-            # 5. KV compaction: accepted nodes' rows to slots kv_len .. kv_len + acc
-            stk.move_accepted_kv(self.target.kv_views(cache), kv_len + torch.arange(T)[None], res.accept_index,
-                                 res.accept_length, impl=self.impl)
-            if T - acc - 1 > 0:
-                cache.crop(-(T - acc - 1))  # drop the rejected tail: cache length kv_len + acc + 1
-            tm.add("tree_ops", time.perf_counter() - t1)
+            self._move(state, res, num_draft_tokens, out.timer)
             out.accept_lengths.append(acc)
             out.tokens.extend(int(t) for t in emitted)
-            # 6. the head catches up over the accepted nodes
-            t1 = time.perf_counter()
-            d_logits, d_hidden, k, v = self.head.step(emitted, self._features(aux[path] if aux is not None else None,
-                                                                               final[path]),
-                                                      kv_len + torch.arange(acc + 1), dk, dv)
-            tm.add("draft_extend", time.perf_counter() - t1)
-            dk, dv = torch.cat([dk, k]), torch.cat([dv, v])
-            last_logits, last_hidden = d_logits[-1], d_hidden[-1]
-            kv_len += acc + 1
-            root = int(emitted[-1])
+            self._extend(state, emitted, res.accept_index[0, : acc + 1].long(), aux, final, out.timer)
             if stop_at_eos and self.eos in emitted.tolist():
                 break
         if stop_at_eos and self.eos in out.tokens:
@@ -224,3 +283,88 @@ class TreeDecoder:
         out.tokens = out.tokens[:max_new_tokens]
         out.seconds = time.perf_counter() - t0
         return out
+
+    def _features(self, aux, final):
+        return self.head.fuse(aux if self.kind == "eagle3" else final)
+
+    def _prefill(self, ids: torch.Tensor, sampling: Sampling | None, out: Output) -> _State:
+        """Prefill the target and pick the first root (bonus) token from its last
+        logits (argmax, or a draw from ``sampling_probs``); prefill the head:
+        position p reads token p + 1 and the target's features at p."""
+        n = len(ids)
+        cache = self.target.new_cache()
+        logits, aux, final = self.target.forward(ids, torch.arange(n), cache)
+        root = int(logits[-1].argmax()) if sampling is None else sampling.draw(logits[-1])
+        out.tokens.append(root)
+        t1 = time.perf_counter()
+        d_logits, d_hidden, dk, dv = self.head.step(torch.cat([ids[1:], torch.tensor([root])]),
+                                                    self._features(aux, final), torch.arange(n))
+        out.timer.add("draft_prefill", time.perf_counter() - t1)
+        return _State(cache, dk, dv, d_logits[-1], d_hidden[-1], kv_len=n, root=root)
+
+    def _draft(self, state: _State, num_steps: int, topk: int, tm: Timer):
+        """The candidate pool: (scores [P], pool_tokens [P], parent_list)."""
+        t1 = time.perf_counter()
+        pool = draft_pool(self.head, state.last_logits, state.last_hidden, state.draft_k, state.draft_v,
+                          state.kv_len, num_steps, topk, tm.add)
+        tm.add("draft_tree", time.perf_counter() - t1)
+        return pool
+
+    def _build(self, state: _State, pool, num_steps: int, topk: int, num_draft_tokens: int, tm: Timer) -> _Tree:
+        """Select the T - 1 best pool entries (ancestor-closed) and build the verify tree."""
+        t1 = time.perf_counter()
+        scores, pool_tokens, parent_list = pool
+        kv_len, T = state.kv_len, num_draft_tokens
+        selected = stk.select_tree_nodes(scores[None], parent_list[None], topk, num_steps, T, impl=self.impl)
+        tree = stk.build_tree(selected, parent_list[None], torch.tensor([kv_len]), topk, num_steps,
+                              stk.TreeMaskMode.QLEN_ONLY, impl=self.impl)
+        candidates = torch.cat([torch.tensor([state.root]), pool_tokens[selected[0]]])
+        bias = torch.zeros(T, kv_len + T)
+        bias[:, kv_len:] = torch.where(tree.tree_mask.view(T, T), 0.0, float("-inf"))
+        tm.add("tree_ops", time.perf_counter() - t1)
+        return _Tree(candidates, tree, bias)
+
+    def _verify(self, state: _State, t: _Tree, num_steps: int, sampling: Sampling | None, tm: Timer):
+        """One target forward over the tree, then the walk: greedy (argmax) or
+        target-only recursive rejection (``sampling_probs`` at every node).
+        Returns (logits, aux, final, VerifyResult)."""
+        t1 = time.perf_counter()
+        logits, aux, final = self.target.forward(t.candidates, t.tree.positions[0], state.cache, t.bias)
+        tm.add("verify", time.perf_counter() - t1)
+        t1 = time.perf_counter()
+        links = (t.tree.retrieve_next_token, t.tree.retrieve_next_sibling)
+        if sampling is None:
+            res = stk.verify_tree_greedy(t.candidates[None], *links, logits.argmax(-1)[None], num_steps,
+                                         impl=self.impl)
+        else:
+            probs = sampling.probs(logits)
+            coins, exponentials = sampling.randoms(probs.shape[0], probs.shape[1], probs.dtype)
+            res = stk.verify_tree_sampling(t.candidates[None], *links, probs[None], coins, exponentials, num_steps,
+                                           impl=self.impl)
+        tm.add("tree_ops", time.perf_counter() - t1)
+        return logits, aux, final, res
+
+    def _move(self, state: _State, res, num_draft_tokens: int, tm: Timer) -> None:
+        """KV compaction: the accepted nodes' rows to slots kv_len .. kv_len + acc,
+        the rejected tail cropped (cache length kv_len + acc + 1)."""
+        t1 = time.perf_counter()
+        T, acc = num_draft_tokens, int(res.accept_length[0])
+        stk.move_accepted_kv(self.target.kv_views(state.cache), state.kv_len + torch.arange(T)[None],
+                             res.accept_index, res.accept_length, impl=self.impl)
+        if T - acc - 1 > 0:
+            state.cache.crop(-(T - acc - 1))
+        tm.add("tree_ops", time.perf_counter() - t1)
+
+    def _extend(self, state: _State, emitted: torch.Tensor, path: torch.Tensor, aux, final, tm: Timer) -> None:
+        """The head catches up over the accepted nodes (their tokens' successors
+        and the target's features there); the last emitted token is the next root."""
+        t1 = time.perf_counter()
+        n = len(emitted)
+        d_logits, d_hidden, k, v = self.head.step(emitted, self._features(aux[path] if aux is not None else None,
+                                                                           final[path]),
+                                                  state.kv_len + torch.arange(n), state.draft_k, state.draft_v)
+        tm.add("draft_extend", time.perf_counter() - t1)
+        state.draft_k, state.draft_v = torch.cat([state.draft_k, k]), torch.cat([state.draft_v, v])
+        state.last_logits, state.last_hidden = d_logits[-1], d_hidden[-1]
+        state.kv_len += n
+        state.root = int(emitted[-1])
