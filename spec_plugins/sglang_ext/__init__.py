@@ -12,8 +12,10 @@ without SGLang). It
 3. wraps the ``handle_speculative_decoding`` resolution step (EAGLE defaults
    and validation, plus ours: mask mode, backend, tree shape),
 4. registers the attention backends ``spec_tree`` and ``spec_tree_triton``,
-5. registers AROUND hooks on SGLang's four tree functions (``engine_patches``),
-   applied by ``load_plugins``; they act only inside an EAGLE_TREE worker.
+5. registers AROUND hooks on SGLang's tree functions and its sampled verify
+   (``engine_patches``), applied by ``load_plugins``; they act only inside an
+   EAGLE_TREE worker (which also fills the sampling bindings SGLang leaves
+   None on CPU / XPU).
 
 Usage, knobs and limits: ``config`` and the README's SGLang section.
 """

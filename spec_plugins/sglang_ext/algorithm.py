@@ -219,6 +219,7 @@ def check_flags_before_eagle_family(cfg) -> None:
         )
     if cfg.enable_multi_layer_eagle:
         raise ValueError(f"{ALGORITHM_NAME} does not support --enable-multi-layer-eagle")
+    check_accept_thresholds(cfg)
     if (cfg.tokenizer_worker_num or 1) > 1:
         # SGLang 0.5.23's tokenizer worker processes (uvicorn/granian workers
         # started from http_server's app path) never call load_plugins, so
@@ -229,6 +230,25 @@ def check_flags_before_eagle_family(cfg) -> None:
             f"{ALGORITHM_NAME} does not support --tokenizer-worker-num {cfg.tokenizer_worker_num}: SGLang's "
             "tokenizer worker processes do not load plugins; use --tokenizer-worker-num 1"
         )
+
+
+ACCEPT_THRESHOLD_FLAGS = (
+    ("speculative_accept_threshold_single", "--speculative-accept-threshold-single"),
+    ("speculative_accept_threshold_acc", "--speculative-accept-threshold-acc"),
+)
+
+
+def check_accept_thresholds(cfg) -> None:
+    """SGLang's accept thresholds != 1 relax acceptance (lossy); EAGLE_TREE's
+    sampled verify is exact target-only rejection, so they are refused
+    (runtime updates too: ``engine_patches._threshold_update_hook``)."""
+    for field, flag in ACCEPT_THRESHOLD_FLAGS:
+        value = getattr(cfg, field, 1.0)
+        if value is not None and float(value) != 1.0:
+            raise ValueError(
+                f"{ALGORITHM_NAME} does not support {flag} {value}: a relaxed acceptance threshold is lossy, "
+                f"and EAGLE_TREE samples exactly from the target's distribution; leave it at 1.0"
+            )
 
 
 def check_our_backend_flags(view, backend: str) -> None:

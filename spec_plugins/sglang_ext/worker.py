@@ -7,7 +7,10 @@ extend are SGLang's own. What changes (see ``engine_patches``):
 * the tree build (``build_tree_kernel_efficient``) is ours in every mask mode,
   including ANCESTOR_BITMASK and PARENT_POINTER;
 * greedy verify (``verify_tree_greedy_func``) and the accepted-path KV move
-  (``move_accept_tokens_to_target_kvcache``) are ours.
+  (``move_accept_tokens_to_target_kvcache``) are ours;
+* sampled verify (temperature > 0: ``tree_speculative_sampling_target_only``)
+  is ours, exact target-only recursive rejection, on CPU too (where SGLang
+  itself verifies sampled batches greedily).
 
 The worker activates those hooks for its process and sets the draft worker's
 mask mode to the configured one; when the target attention backend exposes a
