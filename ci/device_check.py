@@ -14,7 +14,9 @@ Sections (the JSON key of each in brackets):
    on the same device tensors: SGLang-shaped random draft pools (ties,
    probability-one chains, underflow to zero), batch 1..64, T up to 128,
    every mask mode (FULL_MASK with and without prefix fill, open and too-deep
-   selections too), greedy verify with real acceptance, KV move on random
+   selections too), greedy verify with real acceptance, sampled verify
+   (float32 and float64 target distributions over V = 1537, top-k zeros,
+   one-hot rows, a few zero exponentials), KV move on random
    paged caches (fp16 / bf16, vLLM flash K/V halves, SGLang's token pool,
    vLLM CPU's permuted layout, a strided head dim). Pass/fail counts per
    (op, impl), the first failures in detail.
@@ -26,7 +28,8 @@ Sections (the JSON key of each in brackets):
    script with --sanitizer-child).
 5. [bench] CUDA-event medians, eager and CUDA-graph replay, at batch
    1/64/256 x T 8/16/64 x context 2k/32k: select, build per mode (FULL_MASK
-   with and without prefix fill), verify, KV move (30 layers of K and V,
+   with and without prefix fill), verify, sampled verify (float32 over
+   V = 128256), KV move (30 layers of K and V,
    8 KV heads x 128, bf16), torch / triton / cuda side by side, and SGLang's
    own Triton build + verify where available; [headline]: our mask build +
    verify + KV move per step at batch 256, T 8, context 32k against SGLang's.
@@ -226,6 +229,31 @@ class Cases:
         return candidates, target
 
     @staticmethod
+    def sampling(candidates, target, next_token, next_sibling, num_steps, gen, dtype, vocab):
+        """verify_tree_sampling's arguments (CPU): each node's distribution is
+        peaked on ``target`` (drafts get accepted), cut to its top-k (k <= 64:
+        exact zeros), one node in eight to its top token; U[0, 1) coins and Exp(1)
+        exponentials, in every seventh request a few of them 0 (inf and NaN
+        in the race: the corner cases the reference defines)."""
+        import torch
+
+        batch, nodes = candidates.shape
+        logits = torch.randn(batch, nodes, vocab, generator=gen, dtype=torch.float64)
+        logits.scatter_add_(2, target[..., None], torch.full((batch, nodes, 1), 4.0, dtype=torch.float64))
+        probs = torch.softmax(logits, dim=-1)
+        top = probs.topk(min(64, vocab), dim=-1).values
+        kth = top.gather(-1, torch.randint(0, top.shape[-1], (batch, nodes, 1), generator=gen))
+        one_hot = torch.rand(batch, nodes, 1, generator=gen) < 0.125
+        kth = torch.where(one_hot, top[..., :1], kth)  # one-hot: only the top token (ties aside)
+        probs = torch.where(probs >= kth, probs, 0.0)
+        probs = (probs / probs.sum(dim=-1, keepdim=True)).to(dtype)
+        coins = torch.rand(batch, nodes, generator=gen, dtype=dtype)
+        exps = torch.empty(batch, vocab, dtype=dtype).exponential_(generator=gen)
+        zero = (torch.rand(batch, vocab, generator=gen) < 0.002) & (torch.arange(batch)[:, None] % 7 == 3)
+        exps[zero] = 0.0
+        return candidates, next_token, next_sibling, probs, coins, exps, num_steps
+
+    @staticmethod
     def kv_layouts(reduced: bool):
         """(name, block_size, heads, head_dim, make(storage) -> views, storage shape)."""
         layouts = [
@@ -271,7 +299,8 @@ def build_modules(K, impls):
     return mods
 
 
-def check_case(K, cases, tally, impls, case, batch, reduced, report, ops=("select", "build", "verify", "move")):
+def check_case(K, cases, tally, impls, case, batch, reduced, report,
+               ops=("select", "build", "verify", "sampling", "move")):  # fmt: skip
     """Every op of one (tree shape, batch): impls against the torch reference."""
     import torch
 
@@ -325,6 +354,20 @@ def check_case(K, cases, tally, impls, case, batch, reduced, report, ops=("selec
             got_v = mods[impl].verify_tree_greedy(*vargs)
             bad = [f for f in want_v._fields if not same(getattr(got_v, f), getattr(want_v, f))]
             tally.add(f"verify/{impl}", not bad, fields=bad, **label)
+
+    if "sampling" in ops:
+        for dtype in (torch.float32, torch.float64):
+            sargs = cases.sampling(candidates.cpu(), target.cpu(), tree.retrieve_next_token.cpu(),
+                                   tree.retrieve_next_sibling.cpu(), num_steps, t["gen"], dtype,
+                                   vocab=37 if reduced else 1537)  # fmt: skip
+            sargs = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in sargs)
+            want_s = mods["torch"].verify_tree_sampling(*sargs)
+            for impl in impls:
+                got_s = mods[impl].verify_tree_sampling(*sargs)
+                bad = [f for f in want_s._fields if not same(getattr(got_s, f), getattr(want_s, f))]
+                detail = {f: first_diff(getattr(got_s, f), getattr(want_s, f)) for f in bad}
+                tally.add(f"sampling/{impl}", not bad, fields=bad, diff=detail, dtype=str(dtype),
+                          sampled_accepted=int(want_s.accept_length.sum()), **label)  # fmt: skip
 
     accepted = int(want_v.accept_length.sum())
     if "move" in ops and batch > 0:
@@ -609,6 +652,21 @@ def bench_point(K, cases, timer, impls, batch, nodes, contexts, sgl, report, bud
     vargs = (candidates, tree.retrieve_next_token, tree.retrieve_next_sibling, target, num_steps)
     for impl in impls:
         add("verify", impl, ctx0, lambda impl=impl: K.verify_tree_greedy(*vargs, impl=impl))
+    # sampled verify: float32 target distributions over Llama-3's vocabulary (128256), peaked on the
+    # greedy target (drafts get accepted); skipped where target_probs alone would pass 4 GiB
+    vocab = 128256 if dev.type == "cuda" else 50
+    if batch * nodes * vocab * 4 <= 4 << 30:
+        sgen = torch.Generator(device=dev).manual_seed(batch * 1000 + nodes)
+        logits = torch.randn(batch, nodes, vocab, generator=sgen, device=dev)
+        logits.scatter_add_(2, target[..., None], torch.full((batch, nodes, 1), 8.0, device=dev))
+        sprobs = torch.softmax(logits, dim=-1)
+        del logits
+        scoins = torch.rand(batch, nodes, generator=sgen, device=dev)
+        sexps = torch.empty(batch, vocab, device=dev).exponential_(generator=sgen)
+        sargs = (candidates, tree.retrieve_next_token, tree.retrieve_next_sibling, sprobs, scoins, sexps, num_steps)
+        for impl in impls:
+            add("verify_sampling", impl, ctx0, lambda impl=impl: K.verify_tree_sampling(*sargs, impl=impl))
+        del sprobs, sargs
     # KV move: 30 layers x (K, V) of [blocks, 16, 8, 128] bf16; request b's T verify slots are contiguous
     kv_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     heads, head_dim, layers = (KV_HEADS, KV_HEAD_DIM, KV_LAYERS) if dev.type == "cuda" else (2, 8, 2)

@@ -38,6 +38,7 @@ _AUTO_PREFERENCE = {
     "select": ("triton", "torch"),
     "build": ("cuda", "triton", "torch"),
     "verify": ("cuda", "triton", "torch"),
+    "verify_sampling": ("cuda", "triton", "torch"),
     "move_kv": ("cuda", "triton", "torch"),
 }
 
@@ -424,6 +425,8 @@ def verify_tree_sampling(
     exponentials:   [B, V] same dtype, Exp(1), one per token per request (the
                     final draw: argmax p_res / exponentials).
     num_steps:      D >= the tree depth; outputs are D + 1 wide.
+    impl:           as for the other ops ("auto": CUDA, else Triton on a GPU;
+                    the reference on the CPU).
     Every implementation consumes the same randoms and returns the same result.
     Returns ``VerifyResult``: accept_tokens = accepted drafts, then the drawn token.
     """
@@ -445,8 +448,20 @@ def verify_tree_sampling(
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {list(shape)}")
     if nodes < 1 or nodes > MAX_TREE_NODES:
         raise ValueError(f"candidates must have 1..{MAX_TREE_NODES} nodes per request, got {nodes}")
-    return reference.verify_tree_sampling(candidates, retrieve_next_token, retrieve_next_sibling,
-                                          target_probs.contiguous(), coins, exponentials, num_steps)
+    if vocab < 1:
+        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}: the vocabulary V must be at least 1")
+    args = (candidates, retrieve_next_token, retrieve_next_sibling, target_probs.contiguous(), coins.contiguous(),
+            exponentials.contiguous(), num_steps)  # fmt: skip
+    which = resolve_impl("verify_sampling", impl, device)
+    if which == "triton":
+        from . import triton_ops
+
+        return triton_ops.verify_tree_sampling(*args)
+    if which == "cuda":
+        from . import cuda_ops
+
+        return cuda_ops.verify_tree_sampling(*args)
+    return reference.verify_tree_sampling(*args)
 
 
 def distinct_views(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -80,6 +80,11 @@ class _ExtensionBackend:
     def verify(self, candidates, next_token, next_sibling, target, accept_index, accept_length, accept_tokens):
         self._m.verify(candidates, next_token, next_sibling, target, accept_index, accept_length, accept_tokens)
 
+    def verify_sampling(self, candidates, next_token, next_sibling, probs, coins, exponentials, accept_index,
+                        accept_length, accept_tokens):
+        self._m.verify_sampling(candidates, next_token, next_sibling, probs, coins, exponentials, accept_index,
+                                accept_length, accept_tokens)
+
     def move_kv(self, caches, verify_slots, accept_index, accept_length):
         self._m.move_kv(list(caches), verify_slots, accept_index, accept_length)
 
@@ -99,8 +104,9 @@ class _CtypesBackend:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         lib.spec_tree_build.argtypes = [p, p, p, i64, i64, i64, i64, i64, i32, i32, i64, p, i32, p, p, p, p, p, p]
         lib.spec_tree_verify.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, p]
+        lib.spec_tree_verify_sampling.argtypes = [p, p, p, p, p, p, i32, i64, i64, i64, i64, p, p, p, p]
         lib.spec_tree_move_kv.argtypes = [p, p, i32, p, i64, i64, p, i32, i64, p, i32, p]
-        for fn in (lib.spec_tree_build, lib.spec_tree_verify, lib.spec_tree_move_kv):
+        for fn in (lib.spec_tree_build, lib.spec_tree_verify, lib.spec_tree_verify_sampling, lib.spec_tree_move_kv):
             fn.restype = ctypes.c_int
         lib.spec_tree_error_string.argtypes = [ctypes.c_int]
         lib.spec_tree_error_string.restype = ctypes.c_char_p
@@ -138,6 +144,18 @@ class _CtypesBackend:
             accept_length.data_ptr(), accept_tokens.data_ptr(), self._stream(candidates),
         )  # fmt: skip
         self._check(code, "verify_tree_greedy")
+
+    def verify_sampling(self, candidates, next_token, next_sibling, probs, coins, exponentials, accept_index,
+                        accept_length, accept_tokens):
+        if not (probs.dtype == coins.dtype == exponentials.dtype) or probs.dtype not in (torch.float32, torch.float64):
+            raise ValueError("target_probs, coins and exponentials must all be float32 or all float64")
+        code = self._lib.spec_tree_verify_sampling(
+            candidates.data_ptr(), next_token.data_ptr(), next_sibling.data_ptr(), probs.data_ptr(),
+            coins.data_ptr(), exponentials.data_ptr(), int(probs.dtype == torch.float64), candidates.shape[0],
+            candidates.shape[1], probs.shape[2], accept_index.shape[1], accept_index.data_ptr(),
+            accept_length.data_ptr(), accept_tokens.data_ptr(), self._stream(candidates),
+        )  # fmt: skip
+        self._check(code, "verify_tree_sampling")
 
     def move_kv(self, caches, verify_slots, accept_index, accept_length):
         n = len(caches)
@@ -447,6 +465,39 @@ def verify_tree_greedy(
         be.verify(
             candidates.contiguous(), next_token.contiguous(), next_sibling.contiguous(), target_predict.contiguous(),
             accept_index, accept_length, accept_tokens,
+        )  # fmt: skip
+    return VerifyResult(accept_index, accept_length, accept_tokens)
+
+
+def verify_tree_sampling(
+    candidates: torch.Tensor,
+    next_token: torch.Tensor,
+    next_sibling: torch.Tensor,
+    target_probs: torch.Tensor,
+    coins: torch.Tensor,
+    exponentials: torch.Tensor,
+    num_steps: int,
+    *,
+    backend=None,
+) -> VerifyResult:
+    """``reference.verify_tree_sampling``: a block per request; thread 0 walks
+    the tree in shared memory, then the block runs the exponential race over V.
+
+    candidates, next_token, next_sibling: [B, T] int64; target_probs [B, T, V],
+    coins [B, T], exponentials [B, V]: float32 or float64, one dtype.
+    Returns accept_index [B, S+1] int32, accept_length [B] int32, accept_tokens [B, S+1] int64.
+    """
+    be = _backend_or_raise(backend)
+    batch = candidates.shape[0]
+    width = int(num_steps) + 1
+    device = candidates.device
+    accept_index = torch.empty(batch, width, dtype=torch.int32, device=device)
+    accept_length = torch.empty(batch, dtype=torch.int32, device=device)
+    accept_tokens = torch.empty(batch, width, dtype=torch.int64, device=device)
+    if batch:
+        be.verify_sampling(
+            candidates.contiguous(), next_token.contiguous(), next_sibling.contiguous(), target_probs.contiguous(),
+            coins.contiguous(), exponentials.contiguous(), accept_index, accept_length, accept_tokens,
         )  # fmt: skip
     return VerifyResult(accept_index, accept_length, accept_tokens)
 

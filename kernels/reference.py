@@ -300,16 +300,28 @@ def verify_tree_sampling(
     probability p_res(c) / mass, where p is the target's distribution at the
     node, p_res is p with every already rejected sibling token zeroed (a
     duplicate of a rejected token has p_res 0) and mass = 1 - the p_res of
-    the siblings rejected so far. An accepted child becomes the node; when no
-    child is accepted (or the node has none) the step's last token is drawn
-    from p_res at that node by an exponential race:
-    ``argmax_t p_res(t) / exponentials[t]`` (first index on ties), which is a
-    draw from p_res / sum(p_res) for Exp(1) draws.
+    the siblings rejected so far (``mass = mass - p_res(c)`` on each
+    rejection). An accepted child becomes the node; when no child is accepted
+    (or the node has none) the step's last token is drawn from p_res at that
+    node by an exponential race: ``argmax_t p_res(t) / exponentials[t]``
+    (first index on ties; NaN ranks above everything, as in torch.argmax),
+    which is a draw from p_res / sum(p_res) for Exp(1) draws.
 
     Each emitted token is then distributed exactly as the target's p (for any
     deterministic draft: the drafts need no probabilities, so reduced-vocabulary
     EAGLE-3 heads are exact too): P(child c) = p(c), and the residual puts the
     rest of the mass on the remaining tokens in proportion to p.
+
+    Two cases the rule above leaves open, defined here so that every
+    implementation agrees:
+
+    * a candidate token outside [0, V) has p = 0 (never accepted, zeroes
+      nothing in the residual);
+    * an empty residual (no p_res(t) / exponentials[t] above 0: every token
+      of positive probability was a rejected child, which takes a row that
+      sums to less than 1 in floating point) falls back to the race over p
+      itself, ``argmax_t p(t) / exponentials[t]``, so the drawn token is never
+      one of probability 0 (with plain argmax it would be token 0).
 
     candidates, links: [B, T] int64 as in ``verify_tree_greedy``.
     target_probs: [B, T, V] float32 or float64, the target's next-token
@@ -323,6 +335,7 @@ def verify_tree_sampling(
     the drawn token at index accept_length.
     """
     batch, nodes = candidates.shape
+    vocab = target_probs.shape[2]
     device = candidates.device
     width = max_depth + 1
     rows = torch.arange(batch, device=device)
@@ -344,8 +357,10 @@ def verify_tree_sampling(
                 break
             safe = child.clamp(min=0)
             token = candidates.gather(1, safe[:, None])[:, 0]
-            p = p_node.gather(1, token[:, None])[:, 0]
-            p = torch.where((rejected == token[:, None]).any(dim=1), torch.zeros_like(p), p)
+            in_vocab = (token >= 0) & (token < vocab)
+            p = p_node.gather(1, token.clamp(0, vocab - 1)[:, None])[:, 0]
+            duplicate = (rejected == token[:, None]).any(dim=1)
+            p = torch.where(in_vocab & ~duplicate, p, torch.zeros_like(p))  # p_res(token)
             hit = scanning & (coins.gather(1, safe[:, None])[:, 0] * mass < p)
             miss = scanning & ~hit
             chosen = torch.where(hit, child, chosen)
@@ -357,11 +372,16 @@ def verify_tree_sampling(
         alive = alive & (chosen >= 0)
         accept_index[:, depth] = torch.where(alive, chosen, -1)
         cur = torch.where(alive, chosen, cur)
-    residual = target_probs[rows, cur].clone()  # [B, V]
+    p_final = target_probs[rows, cur]  # [B, V]
+    final_rejected = torch.where((final_rejected >= 0) & (final_rejected < vocab), final_rejected, -1)
+    residual = p_final.clone()
     residual.scatter_(1, final_rejected.clamp(min=0), 0.0)  # -1 entries zero token 0 ...
     keep0 = ~(final_rejected == 0).any(dim=1)  # ... so token 0 is restored unless really rejected
-    residual[:, 0] = torch.where(keep0, target_probs[rows, cur, 0], residual[:, 0])
-    drawn = (residual / exponentials).argmax(dim=1)
+    residual[:, 0] = torch.where(keep0, p_final[:, 0], residual[:, 0])
+    race = residual / exponentials
+    drawn = race.argmax(dim=1)
+    empty = ~(race.gather(1, drawn[:, None])[:, 0] > 0)  # nothing of positive probability left (or NaN)
+    drawn = torch.where(empty, (p_final / exponentials).argmax(dim=1), drawn)
     accept_length = (accept_index[:, 1:] >= 0).sum(dim=1)
     accept_tokens = torch.full_like(accept_index, -1)
     next_node = torch.cat([accept_index[:, 1:], accept_index.new_full((batch, 1), -1)], dim=1)

@@ -2,9 +2,10 @@
 
 Semantics, shapes and dtypes are those of ``reference.py``; call these through
 ``spec_tree_kernels.api``, which validates the inputs. Every launch has a grid
-and constexprs fixed by (batch, T, topk, num_steps, mode), so the launches are
-CUDA-graph capturable; no op reads a device value on the host. Unvalidated
-garbage (``validate=False``) may give garbage out but never reads out of bounds.
+and constexprs fixed by (batch, T, topk, num_steps, mode; V and the dtype for
+the sampled verify), so the launches are CUDA-graph capturable; no op reads a
+device value on the host. Unvalidated garbage (``validate=False``) may give
+garbage out but never reads out of bounds.
 """
 
 from __future__ import annotations
@@ -291,6 +292,184 @@ def verify_tree_greedy(candidates, next_token, next_sibling, target_predict, num
             accept_tokens,
             T=nodes,
             W=width,
+        )
+    return VerifyResult(accept_index, accept_length, accept_tokens)
+
+
+# ------------------------------------------------------------ sampled verify
+
+
+@triton.jit
+def _first_max(v1, i1, v2, i2):
+    """torch.argmax's order on (value, index) scalars: NaN above everything,
+    then the larger value, then the lower index (-0.0 == +0.0)."""
+    nan1 = v1 != v1
+    nan2 = v2 != v2
+    larger = (v1 > v2) & (nan2 == 0)
+    tie = ((v1 == v2) | (nan1 & nan2)) & (i1 < i2)
+    take1 = (nan1 & (nan2 == 0)) | larger | tie
+    return tl.where(take1, v1, v2), tl.where(take1, i1, i2)
+
+
+@triton.jit
+def _block_first_max(v, idx, ok):
+    """(value, index) of the first maximum of a block in torch.argmax's
+    order, lanes with ok False left out (native reductions only)."""
+    big = 9223372036854775807
+    nan = ok & (v != v)
+    any_nan = tl.max(nan.to(tl.int32), 0) > 0
+    first_nan = tl.min(tl.where(nan, idx, big), 0)
+    clean = tl.where(ok & (v == v), v, float("-inf"))
+    top = tl.max(clean, 0)
+    first_top = tl.min(tl.where(ok & (v == v) & (clean == top), idx, big), 0)
+    return tl.where(any_nan, float("nan"), top), tl.where(any_nan, first_nan, first_top)
+
+
+@triton.jit
+def _div_rn(x, y, IS_F64: tl.constexpr):
+    """x / y rounded to nearest like torch. Triton's fp32 ``/`` is the
+    approximate div.full.f32 on NVIDIA GPUs; its fp64 ``/`` is div.rn.f64."""
+    if IS_F64:
+        q = x / y
+    else:
+        q = tl.math.div_rn(x, y)
+    return q
+
+
+@triton.jit
+def _verify_sampling_kernel(
+    candidates_ptr,
+    next_token_ptr,
+    next_sibling_ptr,  # [B, T] int64 each
+    probs_ptr,  # [B, T, V] float32 | float64
+    coins_ptr,  # [B, T]
+    exponentials_ptr,  # [B, V]
+    accept_index_ptr,  # [B, W] int32
+    accept_length_ptr,  # [B] int32
+    accept_tokens_ptr,  # [B, W] int64
+    V,
+    T: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    IS_F64: tl.constexpr,
+):
+    """reference.verify_tree_sampling for one request: the walk in scalars,
+    then the exponential race over V in blocks."""
+    b = tl.program_id(0).to(tl.int64)
+    base = b * T
+    dtype = probs_ptr.dtype.element_ty
+    zero = tl.zeros([], dtype=dtype)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_w = tl.arange(0, BLOCK_W)
+    path_index = tl.where(offs_w == 0, 0, -1).to(tl.int64)  # accept_index
+    path_tokens = tl.full([BLOCK_W], -1, tl.int64)  # accepted draft tokens
+    cur = tl.zeros([], dtype=tl.int64)
+    alive = tl.full([], 1, tl.int1)
+    length = tl.zeros([], dtype=tl.int32)
+    stop_rejected = tl.zeros([], dtype=tl.int32)  # children rejected where the walk stopped
+    final_rejected = tl.full([BLOCK_T], -1, tl.int64)  # ... and their tokens
+    for d in tl.static_range(1, W):
+        row = (base + cur) * V
+        child = tl.load(next_token_ptr + base + cur)
+        chosen = tl.full([], -1, tl.int64)
+        mass = zero + 1.0
+        rejected = tl.full([BLOCK_T], -1, tl.int64)
+        num_rejected = tl.zeros([], dtype=tl.int32)
+        scanning = alive & (child >= 0) & (child < T)
+        steps = tl.zeros([], dtype=tl.int32)
+        while scanning:  # the node's children in sibling order, at most T - 1
+            token = tl.load(candidates_ptr + base + child)
+            in_vocab = (token >= 0) & (token < V)
+            p = tl.load(probs_ptr + row + tl.where(in_vocab, token, 0), mask=in_vocab, other=0.0)
+            duplicate = tl.max((rejected == token).to(tl.int32), 0) > 0
+            p = tl.where(duplicate, zero, p)  # p_res(token)
+            coin = tl.load(coins_ptr + base + child)
+            hit = coin * mass < p
+            miss = hit == 0
+            chosen = tl.where(hit, child, chosen)
+            mass = tl.where(miss, mass - p, mass)
+            rejected = tl.where((offs_t == num_rejected) & miss, token, rejected)
+            num_rejected += miss.to(tl.int32)
+            sibling = tl.load(next_sibling_ptr + base + child)
+            child = tl.where(miss, sibling, child)
+            steps += 1
+            scanning = miss & (child >= 0) & (child < T) & (steps < T - 1)
+        stops = alive & (chosen < 0)
+        stop_rejected = tl.where(stops, num_rejected, stop_rejected)
+        final_rejected = tl.where(stops, rejected, final_rejected)
+        alive = alive & (chosen >= 0)
+        token = tl.load(candidates_ptr + base + tl.where(alive, chosen, 0))
+        path_index = tl.where((offs_w == d) & alive, chosen, path_index)
+        path_tokens = tl.where((offs_w == d - 1) & alive, token, path_tokens)
+        cur = tl.where(alive, chosen, cur)
+        length += alive.to(tl.int32)
+    # The race over V: argmax p_res / E, and argmax p / E for an empty residual.
+    row = (base + cur) * V
+    first_child = tl.load(next_token_ptr + base + cur)
+    rejected_ok = (final_rejected >= 0) & (final_rejected < V)
+    rejected_lo = tl.min(tl.where(rejected_ok, final_rejected, 9223372036854775807), 0)
+    rejected_hi = tl.max(tl.where(rejected_ok, final_rejected, -1), 0)
+    best_res = zero - float("inf")
+    best_res_i = tl.full([], 9223372036854775807, tl.int64)
+    best_all = zero - float("inf")
+    best_all_i = tl.full([], 9223372036854775807, tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        ok = offs < V
+        p = tl.load(probs_ptr + row + offs, mask=ok, other=0.0)
+        e = tl.load(exponentials_ptr + b * V + offs, mask=ok, other=1.0)
+        # the stop node's rejected children: its first stop_rejected children (none if the walk never
+        # stopped), walked again from memory for the blocks that hold one of their tokens
+        is_rejected = offs < 0
+        child = first_child
+        overlap = (rejected_lo < v0 + BLOCK_V) & (rejected_hi >= v0)
+        for _ in range(tl.where(overlap, stop_rejected, 0)):
+            is_rejected = is_rejected | (offs == tl.load(candidates_ptr + base + child))
+            child = tl.load(next_sibling_ptr + base + child)
+        blk, blk_i = _block_first_max(_div_rn(tl.where(is_rejected, zero, p), e, IS_F64), offs, ok)
+        best_res, best_res_i = _first_max(best_res, best_res_i, blk, blk_i)
+        blk, blk_i = _block_first_max(_div_rn(p, e, IS_F64), offs, ok)
+        best_all, best_all_i = _first_max(best_all, best_all_i, blk, blk_i)
+    drawn = tl.where(best_res > 0, best_res_i, best_all_i)
+    tokens = tl.where(offs_w < length, path_tokens, tl.where(offs_w == length, drawn, -1))
+    tl.store(accept_index_ptr + b * W + offs_w, path_index.to(tl.int32), mask=offs_w < W)
+    tl.store(accept_tokens_ptr + b * W + offs_w, tokens, mask=offs_w < W)
+    tl.store(accept_length_ptr + b, length)
+
+
+def verify_tree_sampling(
+    candidates, next_token, next_sibling, target_probs, coins, exponentials, num_steps, block_v=None
+):
+    """``reference.verify_tree_sampling``, one program per request.
+    ``block_v``: vocabulary block of the final draw (a power of two; default
+    min(1024, V rounded up))."""
+    batch, nodes = candidates.shape
+    vocab = target_probs.shape[2]
+    width = num_steps + 1
+    device = candidates.device
+    accept_index = torch.empty(batch, width, dtype=torch.int32, device=device)
+    accept_length = torch.empty(batch, dtype=torch.int32, device=device)
+    accept_tokens = torch.empty(batch, width, dtype=torch.int64, device=device)
+    if batch:
+        _verify_sampling_kernel[(batch,)](
+            candidates.contiguous(),
+            next_token.contiguous(),
+            next_sibling.contiguous(),
+            target_probs.contiguous(),
+            coins.contiguous(),
+            exponentials.contiguous(),
+            accept_index,
+            accept_length,
+            accept_tokens,
+            vocab,
+            T=nodes,
+            W=width,
+            BLOCK_T=_pow2(nodes),
+            BLOCK_W=_pow2(width),
+            BLOCK_V=block_v or min(1024, _pow2(vocab)),
+            IS_F64=target_probs.dtype == torch.float64,
         )
     return VerifyResult(accept_index, accept_length, accept_tokens)
 

@@ -23,6 +23,7 @@ from pools import FLAVORS, random_batch
 from spec_tree_kernels import TreeMaskMode as M
 from spec_tree_kernels import cuda_ops, reference
 from test_tree_ops import paged_caches, random_tokens_with_real_acceptance
+from test_tree_sampling import degenerate_sampling_batch, random_sampling_batch, rejected_everywhere_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a host C++ compiler (c++) for the emulation")
 
@@ -157,6 +158,52 @@ def test_verify_many_requests(emu):
     expected = reference.verify_tree_greedy(*args)
     got = cuda_ops.verify_tree_greedy(*args, backend=emu)
     assert int(expected.accept_length.sum()) > 0
+    for name in expected._fields:
+        assert_same(getattr(got, name), getattr(expected, name), name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "vocab, nodes, batch",
+    [(5, 9, 6), (6, 1, 3), (37, 16, 6), (300, 12, 4), (1100, 5, 3), (2, 40, 4)],  # 32..512 threads per block
+)
+def test_verify_sampling_equals_reference(emu, dtype, vocab, nodes, batch):
+    accepted = 0
+    for seed in range(2):
+        args = random_sampling_batch(seed * 100 + vocab + nodes, batch, nodes, vocab, dtype)
+        expected = reference.verify_tree_sampling(*args)
+        got = cuda_ops.verify_tree_sampling(*args, backend=emu)
+        for name in expected._fields:
+            assert_same(getattr(got, name), getattr(expected, name), name)
+        accepted += int(expected.accept_length.sum())
+    assert nodes == 1 or accepted > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_verify_sampling_degenerate_input(emu, dtype):
+    """Out-of-vocabulary candidates, zero exponentials (inf and NaN in the
+    race), empty residuals, exact ties: as the reference defines them."""
+    args = degenerate_sampling_batch(3, dtype)
+    expected = reference.verify_tree_sampling(*args)
+    got = cuda_ops.verify_tree_sampling(*args, backend=emu)
+    for name in expected._fields:
+        assert_same(getattr(got, name), getattr(expected, name), name)
+
+
+@pytest.mark.parametrize("vocab", [13, 700])  # 32 and 128 threads: rejected tokens at every thread's positions
+def test_verify_sampling_zeroes_rejected_tokens_everywhere(emu, vocab):
+    args = rejected_everywhere_batch(vocab, torch.float64)
+    expected = reference.verify_tree_sampling(*args)
+    got = cuda_ops.verify_tree_sampling(*args, backend=emu)
+    for name in expected._fields:
+        assert_same(getattr(got, name), getattr(expected, name), name)
+
+
+def test_verify_sampling_large_tree(emu):
+    """T = 1024 (the node limit: the walk's arrays fill their share of shared memory)."""
+    args = random_sampling_batch(5, 2, 1024, 50, torch.float64)
+    expected = reference.verify_tree_sampling(*args)
+    got = cuda_ops.verify_tree_sampling(*args, backend=emu)
     for name in expected._fields:
         assert_same(getattr(got, name), getattr(expected, name), name)
 

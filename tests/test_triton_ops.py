@@ -6,7 +6,12 @@ exact but slow, so each example is a large batch of random trees.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +23,7 @@ from kernel_device import DEVICE
 from pools import FLAVORS, random_batch
 from spec_tree_kernels import TreeMaskMode as M
 from test_tree_ops import one_storage_listed_twice, paged_caches, random_tokens_with_real_acceptance, slot_rows
+from test_tree_sampling import degenerate_sampling_batch, random_sampling_batch, rejected_everywhere_batch
 
 IMPLS = ["triton"] + (["cuda"] if DEVICE == "cuda" and K.api.cuda_usable(torch.device("cuda")) else [])
 
@@ -114,6 +120,94 @@ def test_verify_equals_reference(impl, config):
     got = K.verify_tree_greedy(*args, impl=impl)
     for a, b in zip(got, expected):
         assert_same(a, b)
+
+
+def sampled(impl, args, block_v=None):
+    if impl == "triton" and block_v:  # a vocabulary block smaller than the default
+        from spec_tree_kernels import triton_ops
+
+        return triton_ops.verify_tree_sampling(*args, block_v=block_v)
+    return K.verify_tree_sampling(*args, impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "vocab, nodes, block_v",
+    [(5, 9, None), (6, 1, None), (37, 16, 16), (300, 12, 64), (1100, 5, None)],  # V never a multiple of the block
+)
+def test_verify_sampling_equals_reference(impl, dtype, vocab, nodes, block_v):
+    accepted = 0
+    for seed in range(2):
+        args = random_sampling_batch(seed * 100 + vocab + nodes, 6, nodes, vocab, dtype, DEVICE)
+        expected = K.verify_tree_sampling(*args, impl="torch")
+        got = sampled(impl, args, block_v)
+        for a, b in zip(got, expected):
+            assert_same(a, b)
+        accepted += int(expected.accept_length.sum())
+    assert nodes == 1 or accepted > 0  # the walks go somewhere
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_verify_sampling_equals_reference_on_degenerate_input(impl, dtype):
+    """Out-of-vocabulary candidates, zero exponentials (inf and NaN in the
+    race), empty residuals, exact ties: the reference's definitions hold."""
+    args = degenerate_sampling_batch(3, dtype, DEVICE)
+    expected = K.verify_tree_sampling(*args, impl="torch")
+    got = sampled(impl, args, block_v=4)
+    for a, b in zip(got, expected):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("block_v", [4, None])
+def test_verify_sampling_zeroes_rejected_tokens_at_block_edges(impl, block_v):
+    args = rejected_everywhere_batch(13, torch.float32, DEVICE)
+    expected = K.verify_tree_sampling(*args, impl="torch")
+    drawn = expected.accept_tokens[:, 0].cpu()
+    assert bool((drawn != torch.arange(13)).all() and (drawn != (torch.arange(13) + 5) % 13).all())
+    got = sampled(impl, args, block_v)
+    for a, b in zip(got, expected):
+        assert_same(a, b)
+
+
+SAMPLING_AOT = """
+import json, re, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton_aot import compile_launch, resource_usage
+from spec_tree_kernels import triton_ops
+for dtype in (torch.float32, torch.float64):
+    B, T, V, W = 4, 16, 1000, 5
+    z = lambda *shape, dt=torch.int64: torch.zeros(*shape, dtype=dt)
+    args = (z(B, T), z(B, T), z(B, T), z(B, T, V, dt=dtype), z(B, T, dt=dtype), z(B, V, dt=dtype),
+            z(B, W, dt=torch.int32), z(B, dt=torch.int32), z(B, W), V)
+    kw = dict(T=T, W=W, BLOCK_T=16, BLOCK_W=8, BLOCK_V=1024, IS_F64=dtype == torch.float64)
+    c = compile_launch(triton_ops._verify_sampling_kernel, (B,), args, kw, GPUTarget("cuda", 90, 32))
+    ops = sorted(set(re.findall(r"\\b(?:div|mul|sub|add|fma)\\.[a-z0-9.]*f(?:32|64)\\b", c.asm["ptx"])))
+    print(json.dumps(dict(dtype=str(dtype), ops=ops, **resource_usage(c.asm["cubin"]))))
+"""
+
+
+def test_verify_sampling_compiles_with_ieee_float_ops():
+    """The sampled verify kernel compiles for sm_90 (Triton's bundled ptxas)
+    with round-to-nearest division (Triton's fp32 ``/`` is the approximate
+    div.full.f32), no flush-to-zero and no fused multiply-add: the float ops
+    the reference does, so the GPU equals it bit for bit."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    tests = Path(__file__).parent
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", SAMPLING_AOT], env=env, capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and len(rows) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for row in rows:
+        bits = "64" if "float64" in row["dtype"] else "32"
+        assert f"div.rn.f{bits}" in row["ops"], row
+        assert not any(".ftz" in op or ".full" in op or ".approx" in op or op.startswith("fma") for op in row["ops"]), row
+        assert row.get("local", 0) == 0, row
 
 
 @pytest.mark.parametrize("impl", IMPLS)

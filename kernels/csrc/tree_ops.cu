@@ -1,4 +1,5 @@
-// CUDA kernels of the tree ops: build_tree, verify_tree_greedy, move_accepted_kv.
+// CUDA kernels of the tree ops: build_tree, verify_tree_greedy, verify_tree_sampling,
+// move_accepted_kv.
 //
 // Semantics, shapes and dtypes are those of spec_tree_kernels/reference.py
 // (the executable specification); tree_ops.h documents the C interface.
@@ -47,6 +48,9 @@ constexpr int kTileBitWords = 2048;
 constexpr int kMaxCachesPerLaunch = 128;
 // Depths whose KV rows one thread loads before it stores any of them.
 constexpr int kMoveDepthGroup = 8;
+// Most threads of a sampled verify block (the race over V); 1024 would cap a
+// thread at 64 registers, which spills the walk.
+constexpr int kSamplingThreads = 512;
 
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ __forceinline__ int64_t align_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -326,6 +330,185 @@ __global__ void __launch_bounds__(256)
   accept_length[b] = length;
 }
 
+// --------------------------------------------------------- sampled verify
+
+// torch.argmax's order on (value, index) pairs: NaN above everything, then
+// the larger value, then the lower index (-0.0 == +0.0); index -1 is "none
+// yet" and loses to everything. A strict total order, so any reduction tree
+// finds the first maximum, as torch does.
+template <typename Real>
+__device__ __forceinline__ bool first_max_better(Real v1, int64_t i1, Real v2, int64_t i2) {
+  if (i1 < 0) return false;
+  if (i2 < 0) return true;
+  const bool nan1 = v1 != v1, nan2 = v2 != v2;
+  if (nan1 || nan2) return nan1 && (!nan2 || i1 < i2);
+  return v1 > v2 || (v1 == v2 && i1 < i2);
+}
+
+// Byte offsets of the sampled verify kernel's dynamic shared memory. The
+// walk's arrays and the race's reduction arrays share the front (the walk is
+// over before the race writes); the rejected tokens stay live throughout.
+struct SamplingSmemLayout {
+  int64_t cand;        // int64[T]  node tokens
+  int64_t coin;        // Real[T]   node coins
+  int64_t child_of;    // int16[T]  first child, -1 none
+  int64_t sibling_of;  // int16[T]  next sibling, -1 none
+  int64_t red_index;   // int64[2 * threads]  race winners: residual, then the fallback over p
+  int64_t red_value;   // Real[2 * threads]
+  int64_t rejected;    // int64[T]  tokens rejected so far at the walk's current node (sorted at the end)
+  int64_t state;       // int32[3]  stop node, children rejected there, accepted length
+  int64_t total;
+  __host__ __device__ SamplingSmemLayout(int64_t nodes, int64_t threads, int64_t real_size) {
+    cand = 0;
+    coin = align_up(8 * nodes, 16);
+    child_of = align_up(coin + real_size * nodes, 16);
+    sibling_of = align_up(child_of + 2 * nodes, 16);
+    const int64_t walk_end = align_up(sibling_of + 2 * nodes, 16);
+    red_index = 0;
+    red_value = align_up(16 * threads, 16);
+    const int64_t race_end = align_up(red_value + 2 * real_size * threads, 16);
+    rejected = walk_end > race_end ? walk_end : race_end;
+    state = align_up(rejected + 8 * nodes, 16);
+    total = state + 16;
+  }
+};
+
+// One block per request (reference.verify_tree_sampling). The threads stage
+// the request's tokens, links and coins in shared memory; thread 0 walks the
+// tree there (recursive rejection: accept child c iff coin * mass < p_res(c),
+// else mass = mass - p_res(c)) and sorts the rejected tokens of the node it
+// stopped at; then all threads run the exponential race over V (argmax
+// p_res / E, and argmax p / E for an empty residual; each thread's tokens
+// grow, so it tells the rejected ones by walking the sorted list along) and
+// reduce it block-wide with the first index winning ties.
+template <typename Real>
+__global__ void __launch_bounds__(kSamplingThreads)
+    verify_sampling_kernel(const int64_t* candidates, const int64_t* next_token, const int64_t* next_sibling,
+                           const Real* probs, const Real* coins, const Real* exponentials, int nodes, int64_t vocab,
+                           int64_t width, int32_t* accept_index, int32_t* accept_length, int64_t* accept_tokens) {
+  SPEC_TREE_DYNAMIC_SMEM(smem);
+  const int T = nodes;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  const int64_t b = blockIdx.x;
+  const SamplingSmemLayout layout(T, threads, sizeof(Real));
+  int64_t* cand = reinterpret_cast<int64_t*>(smem + layout.cand);
+  Real* coin = reinterpret_cast<Real*>(smem + layout.coin);
+  int16_t* child_of = reinterpret_cast<int16_t*>(smem + layout.child_of);
+  int16_t* sibling_of = reinterpret_cast<int16_t*>(smem + layout.sibling_of);
+  int64_t* rejected = reinterpret_cast<int64_t*>(smem + layout.rejected);
+  int32_t* state = reinterpret_cast<int32_t*>(smem + layout.state);
+  for (int j = tid; j < T; j += threads) {
+    cand[j] = candidates[b * T + j];
+    coin[j] = coins[b * T + j];
+    // an out-of-range link (only in invalid input) ends the list
+    const int64_t c = next_token[b * T + j];
+    const int64_t s = next_sibling[b * T + j];
+    child_of[j] = static_cast<int16_t>(c >= 0 && c < T ? c : -1);
+    sibling_of[j] = static_cast<int16_t>(s >= 0 && s < T ? s : -1);
+  }
+  __syncthreads();
+  int32_t* out_index = accept_index + b * width;
+  int64_t* out_tokens = accept_tokens + b * width;
+  if (tid == 0) {
+    out_index[0] = 0;
+    int cur = 0;
+    int length = 0;
+    int stop_rejected = 0;  // children rejected at the node where the walk stopped
+    bool alive = true;
+    for (int64_t d = 1; d < width; ++d) {
+      int chosen = -1;
+      if (alive) {
+        const Real* p_node = probs + (b * T + cur) * vocab;
+        Real mass = Real(1);
+        int num_rejected = 0;
+        int child = child_of[cur];
+        for (int step = 0; step < T - 1 && child >= 0; ++step) {  // a node has at most T - 1 children
+          const int64_t token = cand[child];
+          Real p = token >= 0 && token < vocab ? p_node[token] : Real(0);  // p_res(token)
+          for (int r = 0; r < num_rejected; ++r) {
+            if (rejected[r] == token) {
+              p = Real(0);
+              break;
+            }
+          }
+          if (coin[child] * mass < p) {
+            chosen = child;
+            break;
+          }
+          mass = mass - p;
+          rejected[num_rejected++] = token;
+          child = sibling_of[child];
+        }
+        if (chosen < 0) stop_rejected = num_rejected;
+        alive = chosen >= 0;
+      }
+      if (alive) {
+        cur = chosen;
+        ++length;
+      }
+      out_index[d] = alive ? chosen : -1;
+      out_tokens[d - 1] = alive ? cand[chosen] : -1;
+    }
+    out_tokens[width - 1] = -1;
+    accept_length[b] = length;
+    for (int i = 1; i < stop_rejected; ++i) {  // sort the stop node's rejected tokens (a handful: insertion sort)
+      const int64_t token = rejected[i];
+      int j = i;
+      for (; j > 0 && rejected[j - 1] > token; --j) rejected[j] = rejected[j - 1];
+      rejected[j] = token;
+    }
+    state[0] = cur;
+    state[1] = stop_rejected;
+    state[2] = length;
+  }
+  __syncthreads();
+  const int64_t cur = state[0];
+  const int num_rejected = state[1];
+  const Real* p_row = probs + (b * T + cur) * vocab;
+  const Real* e_row = exponentials + b * vocab;
+  Real res_value = Real(0), all_value = Real(0);
+  int64_t res_index = -1, all_index = -1;
+  int next_rejected = 0;  // into the sorted rejected tokens: this thread's tokens t only grow
+  for (int64_t t = tid; t < vocab; t += threads) {
+    const Real e = e_row[t];
+    const Real q = p_row[t] / e;
+    while (next_rejected < num_rejected && rejected[next_rejected] < t) ++next_rejected;
+    const bool is_rejected = next_rejected < num_rejected && rejected[next_rejected] == t;
+    const Real q_res = is_rejected ? Real(0) / e : q;  // p_res(t) / E(t)
+    if (first_max_better(q_res, t, res_value, res_index)) {
+      res_value = q_res;
+      res_index = t;
+    }
+    if (first_max_better(q, t, all_value, all_index)) {
+      all_value = q;
+      all_index = t;
+    }
+  }
+  int64_t* red_index = reinterpret_cast<int64_t*>(smem + layout.red_index);  // over the walk's arrays: done
+  Real* red_value = reinterpret_cast<Real*>(smem + layout.red_value);
+  red_index[tid] = res_index;
+  red_value[tid] = res_value;
+  red_index[threads + tid] = all_index;
+  red_value[threads + tid] = all_value;
+  __syncthreads();
+  for (int half = threads / 2; half > 0; half /= 2) {  // threads is a power of two
+    if (tid < half) {
+      for (int k = tid; k < 2 * threads; k += threads) {
+        if (first_max_better(red_value[k + half], red_index[k + half], red_value[k], red_index[k])) {
+          red_value[k] = red_value[k + half];
+          red_index[k] = red_index[k + half];
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    const bool empty = !(red_value[0] > Real(0));  // no positive p_res / E (or NaN): race over p
+    out_tokens[state[2]] = empty ? red_index[threads] : red_index[0];
+  }
+}
+
 // ----------------------------------------------------------------- move KV
 
 struct CachePack {
@@ -417,7 +600,7 @@ cudaError_t launch_move(const std::vector<unsigned char*>& bases, const MoveGeom
                              : static_cast<size_t>(kMaxCachesPerLaunch);
     for (size_t k = 0; k < count; ++k) pack.base[k] = bases[first + k];
     const dim3 grid(static_cast<unsigned>(batch * chunks), static_cast<unsigned>(count));
-    SPEC_TREE_LAUNCH(move_kv_kernel<Unit>, grid, dim3(threads), smem, stream, pack, g, verify_slots, nodes,
+    SPEC_TREE_LAUNCH(move_kv_kernel<Unit>, grid, dim3(static_cast<unsigned>(threads)), smem, stream, pack, g, verify_slots, nodes,
                      accept_index, index_is64, width, accept_length, length_is64, chunks);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
@@ -474,7 +657,7 @@ extern "C" int spec_tree_build(const int64_t* selected, const int64_t* parent_li
   // At least 128 threads: the mask stage has T * T / 4 cell quads to write.
   const int threads = static_cast<int>(min64(kMaxThreads, align_up(nodes < 128 ? 128 : nodes, 32)));
   const BuildSmemLayout layout(nodes, rows_per_tile, threads);  // at most ~36 KiB: no opt-in needed
-  SPEC_TREE_LAUNCH(build_kernel, dim3(static_cast<unsigned>(batch)), dim3(threads), static_cast<size_t>(layout.total),
+  SPEC_TREE_LAUNCH(build_kernel, dim3(static_cast<unsigned>(batch)), dim3(static_cast<unsigned>(threads)), static_cast<size_t>(layout.total),
                    stream, selected, parent_list, seq_lens, static_cast<int>(nodes), topk, num_steps, parent_width,
                    static_cast<int>(mode),
                    rows_per_tile, mask, static_cast<int>(mask_elem_size), positions, retrieve_index, next_token,
@@ -495,6 +678,34 @@ extern "C" int spec_tree_verify(const int64_t* candidates, const int64_t* next_t
   SPEC_TREE_LAUNCH(verify_kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(32 * warps)),
                    static_cast<size_t>(warps * verify_warp_smem(nodes)), stream, candidates, next_token, next_sibling,
                    target_predict, batch, static_cast<int>(nodes), width, accept_index, accept_length, accept_tokens);
+  return cudaGetLastError();
+}
+
+extern "C" int spec_tree_verify_sampling(const int64_t* candidates, const int64_t* next_token,
+                                         const int64_t* next_sibling, const void* target_probs, const void* coins,
+                                         const void* exponentials, int32_t is_double, int64_t batch, int64_t nodes,
+                                         int64_t vocab, int64_t width, int32_t* accept_index, int32_t* accept_length,
+                                         int64_t* accept_tokens, void* stream) {
+  if (batch < 0 || nodes < 1 || nodes > SPEC_TREE_MAX_NODES || vocab < 1 || width < 1)
+    return SPEC_TREE_ERR_BAD_ARGUMENT;
+  if (batch == 0) return cudaSuccess;
+  // About 8 tokens per thread in the race, 32..kSamplingThreads threads (a power of two).
+  int threads = 32;
+  while (threads < kSamplingThreads && 8 * static_cast<int64_t>(threads) < vocab) threads *= 2;
+  const SamplingSmemLayout layout(nodes, threads, is_double ? 8 : 4);  // at most ~28 KiB: no opt-in needed
+  if (is_double) {
+    SPEC_TREE_LAUNCH(verify_sampling_kernel<double>, dim3(static_cast<unsigned>(batch)), dim3(static_cast<unsigned>(threads)),
+                     static_cast<size_t>(layout.total), stream, candidates, next_token, next_sibling,
+                     static_cast<const double*>(target_probs), static_cast<const double*>(coins),
+                     static_cast<const double*>(exponentials), static_cast<int>(nodes), vocab, width, accept_index,
+                     accept_length, accept_tokens);
+  } else {
+    SPEC_TREE_LAUNCH(verify_sampling_kernel<float>, dim3(static_cast<unsigned>(batch)), dim3(static_cast<unsigned>(threads)),
+                     static_cast<size_t>(layout.total), stream, candidates, next_token, next_sibling,
+                     static_cast<const float*>(target_probs), static_cast<const float*>(coins),
+                     static_cast<const float*>(exponentials), static_cast<int>(nodes), vocab, width, accept_index,
+                     accept_length, accept_tokens);
+  }
   return cudaGetLastError();
 }
 

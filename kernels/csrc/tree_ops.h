@@ -51,6 +51,18 @@ int spec_tree_verify(const int64_t* candidates, const int64_t* next_token, const
                      const int64_t* target_predict, int64_t batch, int64_t nodes, int64_t width,
                      int32_t* accept_index, int32_t* accept_length, int64_t* accept_tokens, void* stream);
 
+/* Sampled tree walk: target-only recursive rejection (reference.verify_tree_sampling).
+ *
+ * candidates, next_token, next_sibling: [B, T] int64.
+ * target_probs [B, T, V], coins [B, T], exponentials [B, V]: float32, or
+ * float64 when is_double != 0.
+ * accept_index [B, W] int32, accept_length [B] int32, accept_tokens [B, W] int64.
+ */
+int spec_tree_verify_sampling(const int64_t* candidates, const int64_t* next_token, const int64_t* next_sibling,
+                              const void* target_probs, const void* coins, const void* exponentials,
+                              int32_t is_double, int64_t batch, int64_t nodes, int64_t vocab, int64_t width,
+                              int32_t* accept_index, int32_t* accept_length, int64_t* accept_tokens, void* stream);
+
 /* Compact each request's accepted path (reference.move_accepted_kv), every
  * cache in place.
  *

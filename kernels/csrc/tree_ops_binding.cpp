@@ -77,6 +77,38 @@ void verify(const at::Tensor& candidates, const at::Tensor& next_token, const at
                "verify_tree_greedy");
 }
 
+// candidates, next_token, next_sibling [B, T] int64; target_probs [B, T, V],
+// coins [B, T], exponentials [B, V] float32 or float64 (one dtype);
+// accept_index [B, W] int32, accept_length [B] int32, accept_tokens [B, W] int64.
+void verify_sampling(const at::Tensor& candidates, const at::Tensor& next_token, const at::Tensor& next_sibling,
+                     const at::Tensor& target_probs, const at::Tensor& coins, const at::Tensor& exponentials,
+                     at::Tensor accept_index, at::Tensor accept_length, at::Tensor accept_tokens) {
+  const at::Device device = candidates.device();
+  TORCH_CHECK(device.is_cuda(), "candidates must be a CUDA tensor");
+  check_tensor(candidates, "candidates", at::kLong, device);
+  check_tensor(next_token, "retrieve_next_token", at::kLong, device);
+  check_tensor(next_sibling, "retrieve_next_sibling", at::kLong, device);
+  const at::ScalarType real = target_probs.scalar_type();
+  TORCH_CHECK(real == at::kFloat || real == at::kDouble, "target_probs must be float32 or float64, got ", real);
+  check_tensor(target_probs, "target_probs", real, device);
+  check_tensor(coins, "coins", real, device);
+  check_tensor(exponentials, "exponentials", real, device);
+  check_tensor(accept_index, "accept_index", at::kInt, device);
+  check_tensor(accept_length, "accept_length", at::kInt, device);
+  check_tensor(accept_tokens, "accept_tokens", at::kLong, device);
+  TORCH_CHECK(target_probs.dim() == 3 && target_probs.size(0) == candidates.size(0) &&
+                  target_probs.size(1) == candidates.size(1),
+              "target_probs must be [B, T, V]");
+  const c10::cuda::CUDAGuard guard(device);
+  check_launch(spec_tree_verify_sampling(candidates.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(),
+                                         next_sibling.data_ptr<int64_t>(), target_probs.data_ptr(), coins.data_ptr(),
+                                         exponentials.data_ptr(), real == at::kDouble ? 1 : 0, candidates.size(0),
+                                         candidates.size(1), target_probs.size(2), accept_index.size(1),
+                                         accept_index.data_ptr<int32_t>(), accept_length.data_ptr<int32_t>(),
+                                         accept_tokens.data_ptr<int64_t>(), current_stream(device)),
+               "verify_tree_sampling");
+}
+
 // caches: [num_blocks, block_size, H, D] views of any strides and dtype;
 // verify_slots [B, T] int64; accept_index [B, W] and accept_length [B] int32/int64.
 void move_kv(const std::vector<at::Tensor>& caches, const at::Tensor& verify_slots, const at::Tensor& accept_index,
@@ -114,5 +146,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CUDA kernels of spec_tree_kernels (see kernels/csrc/tree_ops.h)";
   m.def("build", &build, "build_tree into caller-allocated outputs");
   m.def("verify", &verify, "verify_tree_greedy into caller-allocated outputs");
+  m.def("verify_sampling", &verify_sampling, "verify_tree_sampling into caller-allocated outputs");
   m.def("move_kv", &move_kv, "move_accepted_kv, all caches of one geometry in one launch");
 }
