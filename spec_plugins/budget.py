@@ -1,0 +1,820 @@
+"""Adaptive tree budget: pick each step's speculative shape (or none) from measured cost and acceptance.
+
+What it decides
+    Once per engine step, before drafting: which entry of a configured *menu*
+    the whole batch runs. An entry is a ``TreeShape`` (num_steps, topk,
+    num_draft_tokens = T) or ``None`` (no speculation: a plain decode step).
+    One shape per step for every request, so the verify batch is always one
+    forward pass with one T (per-request shapes are not attempted here).
+
+The rule (``choose_shape``)
+    For a batch of B requests, each entry's expected throughput is
+
+        rate(shape, B) = B * tau(shape) / (t_V(T, B) + d(shape, B))
+        rate(None,  B) = B / t_V(1, B)
+
+    tau = expected tokens a request emits per step = 1 + sum_d P(accept depth
+    d); t_V(T, B) = verify forward + sampling of B requests with T tokens each
+    (T = 1 is the plain decode step); d = the draft's time for the step. This
+    is the book's  tau(T) / (t_V(T, B)/t_T + S*c)  with the draft term
+    measured instead of modelled. The entry with the highest rate wins, with
+    hysteresis: the entry chosen last step (the incumbent) is kept unless the
+    best entry's rate exceeds the incumbent's by more than a factor
+    ``1 + hysteresis`` (default 3 %), so two entries within noise of each other
+    do not alternate. Exact ties go to the earlier menu entry; ``parse_menu``
+    puts ``None`` first, so a tie means no speculation.
+
+From what: costs (``CostTable``, seconds)
+    t_V(T, B) and d(shape, B), one value per measured key. Seeded by a startup
+    profile (``profile_plan`` lists a small grid of keys to time), refined
+    online: each observation moves its key's value towards the measurement
+    with weight max(ema_weight, 1/n) (n = observations of the key, the seed
+    counting as one: a running mean at first, then an exponentially decayed
+    average; default ema_weight 0.1). A key first seen online is seeded with its
+    interpolated estimate. Unmeasured keys:
+
+    * t_V(T, B): if T has >= 2 measured batch sizes, piecewise linear in B
+      through them (for a fixed T that is piecewise linear in the step's token
+      count B*T, which is what a forward's cost follows). If T has one
+      measured point (T, B0): the *pooled* curve scaled to it,
+      g(B*T) * t_V(T, B0) / g(B0*T), where g is piecewise linear in tokens
+      N = B*T through every measured (T, B) (points at the same N averaged).
+      If T has none: g(B*T).
+    * d(shape, B): the same with the shape's own batch sizes; the pooled curve
+      is per draft forward (x = B*topk tokens per forward, y = d/num_steps,
+      times num_steps). With no draft time known at all,
+      num_steps * draft_fraction * t_V(1, B) (default fraction 0.1).
+    * Extrapolation: flat below the smallest measured x (fewer tokens are not
+      cheaper in the weight-bound regime, so this errs pessimistic); beyond
+      the largest, the last segment's slope (never negative). A single point
+      extends flat both ways. Profile the batch sizes you serve.
+
+From what: acceptance (``AcceptanceStats``)
+    Per shape and depth d = 1..D (D = min(num_steps, T - 1), the deepest
+    node), decayed counts att_d = requests whose accepted length reached
+    d - 1 (depth d was on offer) and acc_d = those that reached d (depth d is
+    accepted iff the accepted length >= d). All chains (topk = 1) share one
+    set of counts: a chain of 3 drafts the first 3 tokens of the chain of 5,
+    so its depth-d acceptance is the same event. The estimate is
+
+        r_d = (acc_d + W * q_d) / (att_d + W),   tau = 1 + sum_d r_1 * ... * r_d
+
+    (with W = 0, tau is exactly 1 + the decay-weighted mean accepted length),
+    then floored at the observed rate acc_d / att_d (>= ``min_evidence`` = 4
+    attempts) of every shape it contains (the chains are contained in every
+    tree; a tree in a tree when its topk, num_steps and T are all <=): a
+    larger tree offers the smaller one's candidates and more. The prior q_d
+    (weight W = ``prior_weight``, default 2 requests) pools depth d of the
+    other shapes: q_d = (P_acc + W * prior_rate) / (P_att + W), over the
+    other shapes with the same topk when they hold >= min_evidence attempts
+    there, else over all others; ``prior_rate`` (0.6) where nothing drafts
+    that deep. A shape nobody has run therefore starts from what the others
+    measured.
+
+How it adapts
+    * Forgetting: each record multiplies every shape's counts by ``age``
+      (0.997 per step, any entry run, ``None`` included) and the shape that ran
+      by ``decay`` too (0.99 per own step): the running shape averages over
+      its last ~75 steps; one not run fades back to its prior over ~300.
+    * Change detection: a two-sided CUSUM of the running shape's accepted
+      lengths against its prediction, standardized (slack 0.5, threshold 8
+      standard deviations; only once the shape has >= 2 * min_evidence
+      requests). An alarm (the draft or the prompt mix changed) multiplies
+      every shape's counts by ``change_discount`` (0.02): all estimates
+      restart from fresh data, which optimism then gathers quickly.
+    * Exploration by optimism (``BudgetPolicy``, deterministic): the choice
+      maximizes an *optimistic* rate, tau raised to
+      min(1 + D, tau + explore_bonus * D / sqrt(1 + n)) with n the shape's
+      decayed request count (explore_bonus 0.5). An unmeasured shape is tried
+      when even its optimistic rate could win; the bonus shrinks as requests
+      are counted and grows back as they age, so a shape that lost is re-tried
+      rarely, and one that cannot win at this batch size (its cost alone
+      exceeds the best's, even at full acceptance) never is. Then, on every
+      ``explore_every``-th step (16), an entry not run for ``stale_after``
+      (256) steps whose expected rate is within ``explore_floor`` (0.8) of
+      the best runs once (``None`` included: its t_V refreshes).
+    Simulated (tests/test_budget_policy.py, CPU-like costs, 500 steps): >=
+    0.96x the best fixed shape at B = 1, 4, 8 and 16 over 32 seeds.
+
+What it costs
+    Plain Python, no torch/numpy, no per-request Python loop (accepted lengths
+    are histogrammed by ``collections.Counter``). Per step one ``step`` (per
+    menu entry: two cost look-ups, a few-point interpolation, a cached tau)
+    and one ``record`` (two EMA updates, a decay of shapes x depths counts,
+    the CUSUM); the tau refresh after a record is O(shapes x depth). Tens of
+    microseconds for a 4-entry menu on a CPU core.
+
+Per engine step::
+
+    shape = policy.step(batch_size)             # TreeShape or None
+    ... draft with shape (if any), verify, accept ...
+    policy.record(shape, batch_size, verify_seconds, draft_seconds, accepted_lengths)
+
+``accepted_lengths``: each speculating request's accepted draft tokens this
+step (0..D; emitted tokens = length + 1). ``policy.counters()`` counts the
+steps each entry ran, keyed by ``shape_label`` ("none", "5,4,8").
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import operator
+import re
+from collections import Counter
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+from spec_plugins.tree_drafting import TreeShape
+
+Shape = Optional[TreeShape]
+DEFAULT_MENU = "none,3,1,4,5,1,6,5,4,8"
+
+__all__ = [
+    "AcceptanceStats", "BudgetPolicy", "CostTable", "DEFAULT_MENU", "MenuError", "Shape", "choose_shape",
+    "expected_rates", "parse_budget_config", "parse_menu", "profile_plan", "shape_label", "verify_tokens",
+]
+
+
+class MenuError(ValueError):
+    """A budget menu or budget config that cannot be used; the message names the bad value."""
+
+
+def shape_label(shape: Shape) -> str:
+    """"none" or "num_steps,topk,num_draft_tokens" (the menu-spec spelling)."""
+    return "none" if shape is None else f"{shape.num_steps},{shape.topk},{shape.num_draft_tokens}"
+
+
+def verify_tokens(shape: Shape) -> int:
+    """T of the verify forward: num_draft_tokens, or 1 for no speculation."""
+    return 1 if shape is None else shape.num_draft_tokens
+
+
+def _depth(shape: TreeShape) -> int:
+    """Deepest tree node = most draft tokens one request can accept."""
+    return min(shape.num_steps, shape.num_draft_tokens - 1)
+
+
+# ----------------------------------------------------------------------- menu
+
+
+def _make_shape(triple: Sequence, where: str) -> TreeShape:
+    if len(triple) != 3:
+        raise MenuError(f"{where}: {list(triple)!r} is not a (num_steps, topk, num_draft_tokens) triple")
+    for name, v in zip(("num_steps", "topk", "num_draft_tokens"), triple):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise MenuError(f"{where}: {name}={v!r} is not an integer")
+    try:
+        shape = TreeShape(*triple)
+    except ValueError as e:
+        raise MenuError(f"{where} ({','.join(map(str, triple))}): {e}") from None
+    if shape.topk == 1 and shape.num_draft_tokens != shape.num_steps + 1:
+        raise MenuError(f"{where} ({shape_label(shape)}): topk=1 is a chain, num_draft_tokens must be "
+                        f"num_steps + 1 = {shape.num_steps + 1}, got {shape.num_draft_tokens}")
+    return shape
+
+
+def _int_token(token: str, where: str) -> int:
+    try:
+        return int(token)
+    except ValueError:
+        raise MenuError(f"{where}: {token!r} is neither 'none' nor an integer") from None
+
+
+def parse_menu(spec: Union[str, Iterable], *, include_none: bool = True) -> tuple[Shape, ...]:
+    """The budget menu from a spec string or a list.
+
+    String: 'none' and integers separated by commas, semicolons or blanks;
+    consecutive integers group into (num_steps, topk, num_draft_tokens)
+    triples: "none,3,1,4,5,1,6,5,4,8" = none, chain (3,1,4), chain (5,1,6),
+    tree (5,4,8). List: items None / "none" / [s, k, t] / "s,k,t" / TreeShape.
+    ``None`` (no speculation) is added when missing unless include_none=False
+    and always comes first; the other entries keep their order (ties go to the
+    earlier one). Raises MenuError naming the bad value: a non-integer, an
+    incomplete triple, an invalid shape, a chain with T != num_steps + 1, a
+    duplicate, or no speculative shape at all.
+    """
+    entries: list[Shape] = []
+    if isinstance(spec, str):
+        tokens = [t for t in re.split(r"[\s,;]+", spec.strip()) if t]
+        pending: list[int] = []
+        for i, token in enumerate(tokens, 1):
+            where = f"menu {spec!r} item {i}"
+            if token.lower() == "none":
+                if pending:
+                    raise MenuError(f"{where}: 'none' inside the triple started by {pending}")
+                entries.append(None)
+                continue
+            pending.append(_int_token(token, where))
+            if len(pending) == 3:
+                entries.append(_make_shape(pending, f"menu {spec!r} entry {len(entries) + 1}"))
+                pending = []
+        if pending:
+            raise MenuError(f"menu {spec!r}: trailing {pending} is not a (num_steps, topk, num_draft_tokens) "
+                            f"triple (the menu needs 'none' or groups of 3 integers)")
+    else:
+        try:
+            items = list(spec)
+        except TypeError:
+            raise MenuError(f"menu {spec!r}: expected a string or a list of shapes") from None
+        for i, item in enumerate(items, 1):
+            where = f"menu entry {i}"
+            if item is None or (isinstance(item, str) and item.strip().lower() == "none"):
+                entries.append(None)
+            elif isinstance(item, TreeShape):
+                entries.append(_make_shape([item.num_steps, item.topk, item.num_draft_tokens], where))
+            elif isinstance(item, str):
+                parts = [t for t in re.split(r"[\s,;]+", item.strip()) if t]
+                entries.append(_make_shape([_int_token(p, where) for p in parts], where))
+            elif isinstance(item, (list, tuple)):
+                entries.append(_make_shape(list(item), where))
+            else:
+                raise MenuError(f"{where}: {item!r} is not None, 'none', a triple or a TreeShape")
+    seen: set = set()
+    for e in entries:
+        if e in seen:
+            raise MenuError(f"menu lists {shape_label(e)} twice")
+        seen.add(e)
+    shapes = [e for e in entries if e is not None]
+    if not shapes:
+        raise MenuError(f"menu {spec!r} has no speculative shape")
+    return ((None,) if include_none or None in seen else ()) + tuple(shapes)
+
+
+def parse_budget_config(raw: Mapping) -> Optional[tuple[Shape, ...]]:
+    """The menu from a config dict, or None when the budget is off.
+
+    Reads only the keys "budget" ("auto" | "off"; absent = "off") and "menu"
+    (a spec string or a list of triples; absent = DEFAULT_MENU), e.g.
+    ``{"budget": "auto", "menu": [[3, 1, 4], [5, 4, 8]]}``.
+    """
+    mode = raw.get("budget", "off")
+    if mode is None or mode is False or (isinstance(mode, str) and mode.lower() == "off"):
+        if raw.get("menu") is not None:
+            raise MenuError(f"budget menu {raw['menu']!r} given but budget is {mode!r}: set budget='auto'")
+        return None
+    if not (isinstance(mode, str) and mode.lower() == "auto"):
+        raise MenuError(f"budget={mode!r}: expected 'auto' or 'off'")
+    return parse_menu(raw.get("menu", DEFAULT_MENU))
+
+
+def profile_plan(menu: Iterable[Shape], batch_sizes: Iterable[int]) -> tuple[list, list]:
+    """The startup grid to time: ([(T, B)] verify keys incl. T = 1, [(shape, B)] draft keys)."""
+    menu = list(menu)
+    Bs = sorted({int(b) for b in batch_sizes})
+    Ts = sorted({verify_tokens(s) for s in menu} | {1})
+    return [(T, B) for T in Ts for B in Bs], [(s, B) for s in menu if s is not None for B in Bs]
+
+
+# ----------------------------------------------------------------------- costs
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear through (xs ascending, unique); flat below xs[0]; beyond
+    xs[-1] the last segment's slope clamped at >= 0; one point: flat."""
+    if x <= xs[0]:
+        return ys[0]
+    n = len(xs)
+    if x >= xs[-1]:
+        if n == 1:
+            return ys[-1]
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + max(slope, 0.0) * (x - xs[-1])
+    i = bisect.bisect_right(xs, x)
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
+
+
+class _Curve:
+    """Measured points B -> [value, n] of one T (or one draft shape)."""
+
+    __slots__ = ("xs", "pts")
+
+    def __init__(self):
+        self.xs: list[int] = []
+        self.pts: dict[int, list] = {}
+
+    def put(self, x: int, value: float, n: float) -> None:
+        if x not in self.pts:
+            bisect.insort(self.xs, x)
+        self.pts[x] = [value, n]
+
+    def ys(self) -> list[float]:
+        return [self.pts[x][0] for x in self.xs]
+
+
+def _check_key(name: str, v) -> int:
+    try:
+        i = -1 if isinstance(v, bool) else operator.index(v)
+    except TypeError:
+        i = -1
+    if i < 1:
+        raise ValueError(f"{name}={v!r} must be a positive integer")
+    return i
+
+
+def _check_seconds(name: str, v, allow_zero: bool = False) -> float:
+    v = float(v)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name}={v!r} must be a finite {'non-negative' if allow_zero else 'positive'} time")
+    return v
+
+
+def _as_shape(s) -> TreeShape:
+    if isinstance(s, TreeShape):
+        return s
+    if isinstance(s, (tuple, list)) and len(s) == 3:
+        return TreeShape(*s)
+    raise ValueError(f"draft key {s!r} is not a TreeShape or (num_steps, topk, num_draft_tokens)")
+
+
+class CostTable:
+    """Step-time estimates: t_V(T, B) and d(shape, B), in seconds.
+
+    verify: {(T, B): seconds} startup profile of verify forward + sampling
+    (T = 1: plain decode). draft: {(shape or (s, k, t), B): seconds} of one
+    step's drafting. ema_weight: the weight of an online observation once a
+    key has 1/ema_weight observations. draft_fraction: draft cost per draft forward
+    as a fraction of t_V(1, B) while no draft time is known. Estimation rules:
+    see the module docstring.
+    """
+
+    def __init__(self, verify: Optional[Mapping] = None, draft: Optional[Mapping] = None, *,
+                 ema_weight: float = 0.1, draft_fraction: float = 0.1):
+        if not 0 < ema_weight <= 1:
+            raise ValueError(f"ema_weight={ema_weight!r} must be in (0, 1]")
+        if not draft_fraction >= 0:
+            raise ValueError(f"draft_fraction={draft_fraction!r} must be >= 0")
+        self.ema_weight = float(ema_weight)
+        self.draft_fraction = float(draft_fraction)
+        self._verify: dict[int, _Curve] = {}
+        self._draft: dict[TreeShape, _Curve] = {}
+        self._version = 0
+        self._pooled: dict[str, tuple] = {}
+        for (T, B), s in (verify or {}).items():
+            self._curve(self._verify, _check_key("T", T)).put(_check_key("B", B), _check_seconds("verify", s), 1.0)
+        for (shape, B), s in (draft or {}).items():
+            self._curve(self._draft, _as_shape(shape)).put(_check_key("B", B), _check_seconds("draft", s, True), 1.0)
+
+    @staticmethod
+    def _curve(table: dict, key) -> _Curve:
+        c = table.get(key)
+        if c is None:
+            c = table[key] = _Curve()
+        return c
+
+    def _observe(self, table: dict, key, B: int, seconds: float, estimate) -> None:
+        prior = estimate() if B not in table.get(key, _Curve()).pts else None
+        self._version += 1  # after the estimate: it may cache the pooled curve of the old version
+        c = self._curve(table, key)
+        p = c.pts.get(B)
+        if p is None:
+            if prior is None:
+                c.put(B, seconds, 1.0)
+                return
+            p = [prior, 1.0]
+            c.put(B, *p)
+            p = c.pts[B]
+        n = p[1] + 1.0
+        p[0] += max(self.ema_weight, 1.0 / n) * (seconds - p[0])
+        p[1] = min(n, 1.0 / self.ema_weight + 1.0)
+
+    def observe_verify(self, T: int, B: int, seconds: float) -> None:
+        """One measured verify (forward + sampling) of B requests x T tokens."""
+        T, B = _check_key("T", T), _check_key("B", B)
+        seconds = _check_seconds("verify_seconds", seconds)
+        self._observe(self._verify, T, B, seconds, lambda: self._verify_estimate(T, B))
+
+    def observe_draft(self, shape: TreeShape, B: int, seconds: float) -> None:
+        """One measured drafting step of B requests with this shape."""
+        shape, B = _as_shape(shape), _check_key("B", B)
+        seconds = _check_seconds("draft_seconds", seconds, allow_zero=True)
+        self._observe(self._draft, shape, B, seconds, lambda: self._draft_estimate(shape, B))
+
+    def _pooled_curve(self, kind: str) -> Optional[tuple[list, list]]:
+        """(xs, ys) over tokens: verify x = B*T, y = t_V; draft x = B*topk, y = d/num_steps."""
+        hit = self._pooled.get(kind)
+        if hit is not None and hit[0] == self._version:
+            return hit[1]
+        acc: dict[int, list] = {}
+        table = self._verify if kind == "verify" else self._draft
+        for key, c in table.items():
+            mult, per = (key, 1) if kind == "verify" else (key.topk, key.num_steps)
+            for B, (v, _) in c.pts.items():
+                a = acc.setdefault(B * mult, [0.0, 0])
+                a[0] += v / per
+                a[1] += 1
+        xs = sorted(acc)
+        out = (xs, [acc[x][0] / acc[x][1] for x in xs]) if xs else None
+        self._pooled[kind] = (self._version, out)
+        return out
+
+    def _estimate(self, c: Optional[_Curve], B: int, kind: str, mult: int, per: int) -> Optional[float]:
+        if c is not None:
+            p = c.pts.get(B)
+            if p is not None:
+                return p[0]
+            if len(c.xs) >= 2:
+                return _interp(c.xs, c.ys(), B)
+        pooled = self._pooled_curve(kind)
+        if pooled is None:
+            return None
+        g = per * _interp(*pooled, B * mult)
+        if c is not None and c.xs:
+            B0 = c.xs[0]
+            g0 = per * _interp(*pooled, B0 * mult)
+            if g0 > 0:
+                g *= c.pts[B0][0] / g0
+        return g
+
+    def _verify_estimate(self, T: int, B: int) -> Optional[float]:
+        return self._estimate(self._verify.get(T), B, "verify", T, 1)
+
+    def _draft_estimate(self, shape: TreeShape, B: int) -> Optional[float]:
+        est = self._estimate(self._draft.get(shape), B, "draft", shape.topk, shape.num_steps)
+        if est is None:
+            base = self._verify_estimate(1, B)
+            est = None if base is None else shape.num_steps * self.draft_fraction * base
+        return est
+
+    def verify_time(self, T: int, B: int) -> float:
+        """t_V(T, B) in seconds; LookupError when no verify time is known at all."""
+        est = self._verify_estimate(T, B)
+        if est is None:
+            raise LookupError("the cost table has no verify time yet: profile or observe_verify first")
+        return est
+
+    def draft_time(self, shape: Shape, B: int) -> float:
+        """d(shape, B) in seconds (0 for no speculation); LookupError when nothing is known."""
+        if shape is None:
+            return 0.0
+        est = self._draft_estimate(shape, B)
+        if est is None:
+            raise LookupError("the cost table has no verify or draft time yet")
+        return est
+
+    def step_time(self, shape: Shape, B: int) -> float:
+        return self.verify_time(verify_tokens(shape), B) + self.draft_time(shape, B)
+
+    def measured(self) -> dict:
+        """{"verify": {(T, B): s}, "draft": {(label, B): s}}: the current per-key values (for logs)."""
+        return {"verify": {(T, B): p[0] for T, c in self._verify.items() for B, p in c.pts.items()},
+                "draft": {(shape_label(s), B): p[0] for s, c in self._draft.items() for B, p in c.pts.items()}}
+
+
+# ----------------------------------------------------------------- acceptance
+
+
+class AcceptanceStats:
+    """Decayed per-depth acceptance counts of the menu's shapes, and tau.
+
+    Call ``record`` once per engine step, whichever entry ran (``None``
+    included: the step still ages the counts). Knobs (module docstring):
+    decay (per own step), age (per step), prior_rate / prior_weight /
+    min_evidence (the prior and the containment floor), change_threshold /
+    change_slack / change_discount (the CUSUM; threshold 0 turns it off).
+    ``changes`` counts change alarms. Shapes are fixed at construction
+    (``None`` ignored).
+    """
+
+    def __init__(self, shapes: Iterable[Shape], *, decay: float = 0.99, age: float = 0.997, prior_rate: float = 0.6,
+                 prior_weight: float = 2.0, min_evidence: float = 4.0, change_threshold: float = 8.0,
+                 change_slack: float = 0.5, change_discount: float = 0.02):
+        for name, v in (("decay", decay), ("age", age), ("change_discount", change_discount)):
+            if not 0 < v <= 1:
+                raise ValueError(f"{name}={v!r} must be in (0, 1]")
+        if not 0 <= prior_rate <= 1:
+            raise ValueError(f"prior_rate={prior_rate!r} must be in [0, 1]")
+        for name, v in (("prior_weight", prior_weight), ("min_evidence", min_evidence),
+                        ("change_threshold", change_threshold), ("change_slack", change_slack)):
+            if not v >= 0:
+                raise ValueError(f"{name}={v!r} must be >= 0")
+        self.decay, self.age, self.prior_rate = float(decay), float(age), float(prior_rate)
+        self.prior_weight, self.min_evidence = float(prior_weight), float(min_evidence)
+        self.change_threshold, self.change_slack = float(change_threshold), float(change_slack)
+        self.change_discount = float(change_discount)
+        self.changes = 0  # change alarms so far
+        self._cusum = [0.0, 0.0]  # (upward, downward) CUSUM of standardized accepted-length surprises
+        self.shapes: tuple[TreeShape, ...] = tuple(dict.fromkeys(s for s in shapes if s is not None))
+        # count groups: one for all chains, one per tree
+        keys: list = []
+        self._group: dict[TreeShape, int] = {}
+        for s in self.shapes:
+            key = "chain" if s.topk == 1 else s
+            if key not in keys:
+                keys.append(key)
+            self._group[s] = keys.index(key)
+        n = len(keys)
+        members = [[s for s in self.shapes if self._group[s] == g] for g in range(n)]
+        self._gD = [max(_depth(s) for s in m) for m in members]
+        topk = self._topk = [m[0].topk for m in members]
+        self._att = [[0.0] * D for D in self._gD]
+        self._acc = [[0.0] * D for D in self._gD]
+        self._others = [[j for j in range(n) if j != i] for i in range(n)]
+
+        def contains(i: int, j: int) -> bool:  # group i's candidates include group j's
+            if keys[i] == "chain":
+                return False
+            if keys[j] == "chain":
+                return True
+            a, b = keys[i], keys[j]
+            return b.topk <= a.topk and b.num_steps <= a.num_steps and b.num_draft_tokens <= a.num_draft_tokens
+
+        self._contained = [[j for j in self._others[i] if contains(i, j)] for i in range(n)]
+        self._index = {s: i for i, s in enumerate(self.shapes)}
+        self._rates: Optional[list[list[float]]] = None
+        self._snap: Optional[tuple[list[float], list[float]]] = None
+
+    def _gi(self, shape: TreeShape) -> int:
+        g = self._group.get(shape)
+        if g is None:
+            raise ValueError(f"shape {shape_label(shape)} is not in the menu {[shape_label(s) for s in self.shapes]}")
+        return g
+
+    def record(self, shape: Shape, accepted_lengths: Iterable[int] = ()) -> None:
+        """One engine step: check for a change, age every count, decay the
+        running shape's, then count this step's requests.
+
+        accepted_lengths: each request's accepted draft tokens (0..D, D =
+        min(num_steps, T - 1)); a list, or a CPU tensor/array (``.tolist()``).
+        For ``shape=None`` only the ageing. Bad lengths raise ValueError and
+        change nothing.
+        """
+        hist: dict[int, int] = {}
+        if shape is not None:
+            g, D = self._gi(shape), _depth(shape)
+            if hasattr(accepted_lengths, "tolist"):
+                accepted_lengths = accepted_lengths.tolist()
+            for L, n in Counter(accepted_lengths).items():
+                try:
+                    Li = -1 if isinstance(L, bool) else operator.index(L)
+                except TypeError:
+                    Li = -1
+                if not 0 <= Li <= D:
+                    raise ValueError(f"accepted length {L!r} outside 0..{D} for shape {shape_label(shape)}")
+                hist[Li] = hist.get(Li, 0) + n
+        if hist and self.change_threshold > 0 and self._att[g][0] >= 2 * self.min_evidence:
+            self._detect_change(shape, hist)
+        if self.age != 1.0:
+            k = self.age
+            for row in self._att:
+                row[:] = [v * k for v in row]
+            for row in self._acc:
+                row[:] = [v * k for v in row]
+        self._rates = self._snap = None
+        if not hist:
+            return
+        att, acc = self._att[g], self._acc[g]
+        if self.decay != 1.0:
+            k = self.decay
+            att[:] = [v * k for v in att]
+            acc[:] = [v * k for v in acc]
+        ge = sum(hist.values())  # requests with length >= d - 1, for d = 1
+        for d in range(1, D + 1):
+            att[d - 1] += ge
+            ge -= hist.get(d - 1, 0)
+            acc[d - 1] += ge
+
+    def _detect_change(self, shape: TreeShape, hist: dict[int, int]) -> None:
+        """Two-sided CUSUM of this step's accepted lengths against the shape's
+        prediction; on an alarm every shape's counts shrink by change_discount."""
+        mean = second = 0.0
+        prob = 1.0
+        for d, r in enumerate(self.rates(shape), 1):
+            prob *= r  # P(length >= d)
+            mean += prob
+            second += (2 * d - 1) * prob  # E[L^2] = sum_d (2d - 1) P(L >= d)
+        n = sum(hist.values())
+        var = max(second - mean * mean, 0.1)
+        z = (sum(L * c for L, c in hist.items()) - n * mean) / math.sqrt(n * var)
+        up = max(0.0, self._cusum[0] + z - self.change_slack)
+        down = max(0.0, self._cusum[1] - z - self.change_slack)
+        if up > self.change_threshold or down > self.change_threshold:
+            k = self.change_discount
+            for row in self._att:
+                row[:] = [v * k for v in row]
+            for row in self._acc:
+                row[:] = [v * k for v in row]
+            self.changes += 1
+            up = down = 0.0
+        self._cusum = [up, down]
+
+    def evidence(self, shape: Shape) -> float:
+        """Decayed number of requests observed with this shape (depth-1
+        attempts; all chains together); inf for None."""
+        return math.inf if shape is None else self._att[self._gi(shape)][0]
+
+    def _refresh(self) -> None:
+        W, rate0, need = self.prior_weight, self.prior_rate, self.min_evidence
+        att, acc, gD, topk = self._att, self._acc, self._gD, self._topk
+        Dmax = max(gD, default=0)
+        # per-depth sums over all groups and over the groups of each topk
+        tot_a, tot_c = [0.0] * Dmax, [0.0] * Dmax
+        by_k: dict[int, tuple[list, list]] = {}
+        for i, D in enumerate(gD):
+            ka, kc = by_k.setdefault(topk[i], ([0.0] * Dmax, [0.0] * Dmax))
+            for d in range(D):
+                tot_a[d] += att[i][d]
+                tot_c[d] += acc[i][d]
+                ka[d] += att[i][d]
+                kc[d] += acc[i][d]
+        observed = [[acc[j][d] / att[j][d] if att[j][d] >= need else -1.0 for d in range(gD[j])]
+                    for j in range(len(gD))]
+        rates = []
+        for i, D in enumerate(gD):
+            ka, kc = by_k[topk[i]]
+            ai, ci = att[i], acc[i]
+            r_i = []
+            for d in range(D):
+                pa, pc = ka[d] - ai[d], kc[d] - ci[d]  # other groups with the same topk
+                if pa < need:
+                    pa, pc = tot_a[d] - ai[d], tot_c[d] - ci[d]  # all other groups
+                q = (pc + W * rate0) / (pa + W) if pa + W > 0 else rate0
+                r = (ci[d] + W * q) / (ai[d] + W) if ai[d] + W > 0 else q
+                for j in self._contained[i]:
+                    if d < gD[j] and observed[j][d] > r:
+                        r = observed[j][d]
+                r_i.append(r)
+            rates.append(r_i)
+        self._rates = rates
+
+    def rates(self, shape: TreeShape) -> list[float]:
+        """Estimated conditional acceptance rate of depths 1..D (prior included)."""
+        if self._rates is None:
+            self._refresh()
+        return self._rates[self._gi(shape)][: _depth(shape)]
+
+    def snapshot(self) -> tuple[list[float], list[float]]:
+        """(tau, evidence) of every shape in ``self.shapes`` order; cached until the next record."""
+        if self._snap is None:
+            if self._rates is None:
+                self._refresh()
+            taus = []
+            for s in self.shapes:
+                tau = prod = 1.0
+                for r in self._rates[self._group[s]][: _depth(s)]:
+                    prod *= r
+                    tau += prod
+                taus.append(tau)
+            self._snap = (taus, [self._att[self._group[s]][0] for s in self.shapes])
+        return self._snap
+
+    def tau(self, shape: Shape) -> float:
+        """Expected tokens emitted per request per step (1 for no speculation)."""
+        if shape is None:
+            return 1.0
+        self._gi(shape)
+        return self.snapshot()[0][self._index[shape]]
+
+
+# -------------------------------------------------------------------- choice
+
+
+def expected_rates(menu: Sequence[Shape], costs: CostTable, acceptance: AcceptanceStats,
+                   batch_size: int) -> list[float]:
+    """Expected tokens per second of each menu entry at this batch size."""
+    return [batch_size * acceptance.tau(s) / costs.step_time(s, batch_size) for s in menu]
+
+
+def _pick(rates: Sequence[float], current: Optional[int], hysteresis: float) -> int:
+    best = max(range(len(rates)), key=lambda i: (rates[i], -i))
+    if current is not None and best != current and rates[best] <= rates[current] * (1.0 + hysteresis):
+        return current
+    return best
+
+
+_NO_CURRENT = object()
+
+
+def choose_shape(menu: Sequence[Shape], costs: CostTable, acceptance: AcceptanceStats, batch_size: int, *,
+                 current=_NO_CURRENT, hysteresis: float = 0.0) -> Shape:
+    """The menu entry with the highest expected tokens/s at ``batch_size``.
+
+    current: the entry chosen last step (may be None = no speculation); it is
+    kept unless the best entry's rate exceeds its rate by more than a factor
+    1 + hysteresis. Ties go to the earlier menu entry.
+    """
+    menu = list(menu)
+    rates = expected_rates(menu, costs, acceptance, batch_size)
+    cur = None
+    if current is not _NO_CURRENT:
+        if current not in menu:
+            raise ValueError(f"current shape {shape_label(current)} is not in the menu")
+        cur = menu.index(current)
+    return menu[_pick(rates, cur, hysteresis)]
+
+
+class BudgetPolicy:
+    """Cost table + acceptance stats + hysteresis + exploration, one call per step.
+
+    menu: anything ``parse_menu`` accepts; ``None`` is always on it (the
+    baseline the policy must not lose to). costs: a CostTable (default empty:
+    the policy runs no speculation until a verify time is recorded, then
+    estimates the rest from it). acceptance: default ``AcceptanceStats(menu)``.
+    Knobs: hysteresis, explore_bonus, explore_every, stale_after,
+    explore_floor (module docstring). ``explorations`` counts the steps whose
+    entry was not the best by expected rate (optimism or a stale re-check);
+    ``last_rates`` holds the expected tokens/s of each entry at the last step.
+    """
+
+    def __init__(self, menu, costs: Optional[CostTable] = None, *, acceptance: Optional[AcceptanceStats] = None,
+                 hysteresis: float = 0.03, explore_every: int = 16, explore_bonus: float = 0.5,
+                 stale_after: int = 256, explore_floor: float = 0.8):
+        self.menu: tuple[Shape, ...] = parse_menu(menu if isinstance(menu, str) else list(menu))
+        self.costs = costs if costs is not None else CostTable()
+        self.acceptance = acceptance if acceptance is not None else AcceptanceStats(self.menu)
+        missing = [shape_label(s) for s in self.menu if s is not None and s not in self.acceptance.shapes]
+        if missing:
+            raise ValueError(f"acceptance stats lack menu shapes {missing}")
+        for name, v, ok in (("hysteresis", hysteresis, hysteresis >= 0), ("explore_every", explore_every,
+                            explore_every >= 0), ("explore_bonus", explore_bonus, explore_bonus >= 0),
+                            ("stale_after", stale_after, stale_after >= 1),
+                            ("explore_floor", explore_floor, 0 <= explore_floor <= 1)):
+            if not ok:
+                raise ValueError(f"{name}={v!r} is out of range")
+        self.hysteresis, self.explore_every = float(hysteresis), int(explore_every)
+        self.explore_bonus, self.stale_after = float(explore_bonus), int(stale_after)
+        self.explore_floor = float(explore_floor)
+        self._index = {s: i for i, s in enumerate(self.menu)}
+        self._entries = [(s, verify_tokens(s), 0 if s is None else _depth(s),
+                          None if s is None else self.acceptance.shapes.index(s)) for s in self.menu]
+        self._t = 0
+        self._incumbent: Optional[int] = None
+        self._last_run = [0] * len(self.menu)
+        self._counts = [0] * len(self.menu)
+        self.explorations = 0
+        self.last_rates: Optional[list[float]] = None
+
+    @property
+    def incumbent(self) -> Shape:
+        """The shape the policy currently prefers (None before the first step, or no speculation)."""
+        return None if self._incumbent is None else self.menu[self._incumbent]
+
+    def rates(self, batch_size: int) -> dict[str, float]:
+        """Expected tokens/s of every entry now ({label: rate}, for logs)."""
+        return dict(zip(map(shape_label, self.menu),
+                        expected_rates(self.menu, self.costs, self.acceptance, batch_size)))
+
+    def _rates_now(self, B: int) -> tuple[list[float], list[float]]:
+        """(expected, optimistic) tokens/s of every entry at batch size B."""
+        taus, evidence = self.acceptance.snapshot()
+        costs, bonus = self.costs, self.explore_bonus
+        rates, optimistic = [], []
+        for s, T, D, j in self._entries:
+            if s is None:
+                r = B / costs.verify_time(1, B)
+                rates.append(r)
+                optimistic.append(r)
+                continue
+            tau = taus[j]
+            r = B * tau / (costs.verify_time(T, B) + costs.draft_time(s, B))
+            rates.append(r)
+            optimistic.append(r * min(1.0 + D, tau + bonus * D / math.sqrt(1.0 + evidence[j])) / tau)
+        return rates, optimistic
+
+    def step(self, batch_size: int) -> Shape:
+        """This step's entry for ``batch_size`` decode requests (< 1: None, no state change)."""
+        if batch_size < 1:
+            return None
+        self._t += 1
+        t = self._t
+        try:
+            rates, optimistic = self._rates_now(batch_size)
+        except LookupError:  # no verify time known yet: plain decode measures one
+            choice = self._index[None]
+            self._incumbent = choice
+            self._last_run[choice] = t
+            self._counts[choice] += 1
+            return self.menu[choice]
+        self.last_rates = rates
+        self._incumbent = choice = _pick(optimistic, self._incumbent, self.hysteresis)
+        if self.explore_every and t % self.explore_every == 0:
+            floor = self.explore_floor * rates[choice]
+            stale = [i for i, r in enumerate(rates)
+                     if i != choice and t - self._last_run[i] >= self.stale_after and r >= floor]
+            if stale:
+                choice = max(stale, key=lambda i: (rates[i], -i))
+        if rates[choice] < max(rates):
+            self.explorations += 1
+        self._last_run[choice] = t
+        self._counts[choice] += 1
+        return self.menu[choice]
+
+    def record(self, shape: Shape, batch_size: int, verify_seconds: float, draft_seconds: float = 0.0,
+               accepted_lengths: Iterable[int] = ()) -> None:
+        """What the step that ran ``shape`` measured: its verify (forward +
+        sampling) and draft times for ``batch_size`` requests, and each
+        speculating request's accepted draft tokens. Call once per step.
+        Invalid input raises ValueError before anything is recorded."""
+        if shape not in self._index:
+            raise ValueError(f"shape {shape_label(shape)} is not in the menu")
+        batch_size = _check_key("batch_size", batch_size)
+        verify_seconds = _check_seconds("verify_seconds", verify_seconds)
+        draft_seconds = _check_seconds("draft_seconds", draft_seconds, allow_zero=True)
+        self.acceptance.record(shape, accepted_lengths)
+        self.costs.observe_verify(verify_tokens(shape), batch_size, verify_seconds)
+        if shape is not None:
+            self.costs.observe_draft(shape, batch_size, draft_seconds)
+
+    def counters(self) -> dict[str, int]:
+        """Steps that ran each entry (explorations included), keyed by shape_label."""
+        return {shape_label(s): n for s, n in zip(self.menu, self._counts)}
