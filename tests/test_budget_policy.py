@@ -332,8 +332,8 @@ def test_policy_without_costs_starts_with_plain_decode_and_learns():
 
 # ------------------------------------------------------------- simulation
 
-# A CPU-like world (about the numbers of the 135M SmolLM2 pair on this machine's
-# CPU): a plain decode step costs 50 ms at B=1, verify grows with tokens B*T,
+# A synthetic, CPU-like world (made-up numbers, not measurements): a plain
+# decode step costs 50 ms at B=1, verify grows with tokens B*T,
 # each draft forward costs 2 ms + 0.4 ms per token it processes. A chain accepts
 # each depth with probability 0.72; the topk-4 tree's candidates cover more.
 A_V, B_V, A_D, B_D = 0.046, 0.004, 0.002, 0.0004
