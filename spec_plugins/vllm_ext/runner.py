@@ -98,6 +98,7 @@ class TreeStats:
     """Counters and wall times (host clock; the CPU runner is synchronous)."""
 
     verify_steps: int = 0  # steps with at least one tree
+    trees_verified: int = 0  # requests x steps verified with a tree (vLLM's num_drafts counts the same)
     chain_fallbacks: int = 0  # drafts the runner did not draft itself, verified as a chain
     not_speculated: int = 0  # requests left without a tree (sampling, structured output, mid-prefill)
     prefill_chunks: int = 0  # head extends over a prompt chunk that is not the prompt's last
@@ -292,6 +293,7 @@ class TreeRunnerMixin:
         self._verified = groups  # their KV moves after the head's extend (``propose_draft_token_ids``)
         self.after_tree_sampling(out, groups, emitted)
         self.tree_stats.verify_steps += bool(groups)
+        self.tree_stats.trees_verified += sum(len(g.rows) for g in groups.values())
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return out
 
