@@ -127,9 +127,11 @@ def run_all(model, configs, prompts, max_tokens, levels: list[int], repeats: int
     return results
 
 
-def configs_for(heads, shapes, engine_chains: bool = False):
+def configs_for(heads, shapes, engine_chains: bool = False, budget_menus=()):
     """No speculation, then per head: vLLM's own chain of each chain length in
-    ``shapes`` (when ``engine_chains``), and ours for every shape."""
+    ``shapes`` (when ``engine_chains``), ours for every shape, and the
+    adaptive budget over each menu in ``budget_menus``."""
+    from spec_plugins.budget import parse_menu
     from spec_plugins.vllm_bench import SpecConfig
 
     configs = [SpecConfig()]
@@ -137,6 +139,10 @@ def configs_for(heads, shapes, engine_chains: bool = False):
         if engine_chains:
             configs += [SpecConfig(head=folder, kind=kind, shape=s, engine_chain=True) for s in shapes if s[1] == 1]
         configs += [SpecConfig(head=folder, kind=kind, shape=s) for s in shapes]
+        for menu in budget_menus or ():
+            largest = max((m for m in parse_menu(menu) if m is not None), key=lambda m: m.num_draft_tokens)
+            configs.append(SpecConfig(head=folder, kind=kind, budget_menu=menu,
+                                      shape=(largest.num_steps, largest.topk, largest.num_draft_tokens)))
     return configs
 
 
@@ -210,7 +216,8 @@ def cmd_bench(args) -> int:
 
     model = args.model or default_model()
     prompts = load_prompts(args.prompts, args.num_prompts, model)
-    configs = configs_for(resolve_heads(args.heads), args.shapes, engine_chains=not args.no_engine_chain)
+    configs = configs_for(resolve_heads(args.heads), args.shapes, engine_chains=not args.no_engine_chain,
+                          budget_menus=args.budget)
     results = run_all(model, configs, prompts, args.max_tokens, args.concurrency, args.repeats, args.temperatures)
     rows = []
     for temp in args.temperatures:
@@ -380,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every configuration this many times (alternating order), keep the fastest")
     bench.add_argument("--no-engine-chain", action="store_true",
                        help="leave out vLLM's own EAGLE chain (the peer row, one per chain length in --shapes)")
+    bench.add_argument("--budget", nargs="*", default=[], metavar="MENU",
+                       help="also run the adaptive tree budget over each menu, e.g. 'none,3,1,4,5,1,6,5,4,8' "
+                            "(spec_tree budget='auto'; the row reports the steps each entry ran)")
     bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                        help="temperatures to run (default: greedy only); > 0 samples with top-p 0.9, a seed per "
                             "prompt, and reports tau and tokens/s (outputs are compared only when greedy)")

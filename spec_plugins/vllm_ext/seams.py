@@ -84,7 +84,7 @@ SEAMS: tuple[Seam, ...] = (
          stage=REG),
     *(Seam(ARGS, f, "field", why="prepare_engine_args reads / sets it", stage=REG) for f in (
         "additional_config", "speculative_config", "async_scheduling", "worker_cls", "kv_cache_dtype",
-        "pipeline_parallel_size", "tensor_parallel_size", "enable_lora", "enable_prompt_embeds")),
+        "pipeline_parallel_size", "data_parallel_size", "enable_lora", "enable_prompt_embeds")),
     Seam(ARGS, "attention_backend", "field", why="pinned to CUSTOM on CUDA", platform="cuda", stage=REG),
     Seam(ARGS, "compilation_config", "field", why="cudagraph_mode pinned on CUDA", platform="cuda", stage=REG),
     Seam("vllm.config:CompilationConfig", "cudagraph_mode", "field", why="PIECEWISE: attention stays eager",
@@ -109,6 +109,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.config:ModelConfig", "logprobs_mode", "field", why="only raw_logprobs", stage=REG),
     Seam("vllm.config:ModelConfig", "hf_text_config", "attr", why="target sizes the head must fit", stage=REG),
     Seam("vllm.config:ParallelConfig", "pipeline_parallel_size", "field", why="refused > 1", stage=REG),
+    Seam("vllm.config:ParallelConfig", "data_parallel_size", "field", why="refused > 1", stage=REG),
+    Seam("vllm.model_executor.layers.vocab_parallel_embedding", "DEFAULT_VOCAB_PADDING_SIZE", "const", "64",
+         "config.VOCAB_PADDING mirrors it (the TP check of the head's vocabulary)", stage=REG),
+    Seam("vllm.config:ParallelConfig", "tensor_parallel_size", "field",
+         why="the head counts must divide by it (check_tensor_parallel_heads)", stage=REG),
     # --- workers (worker_cpu.py, worker_gpu.py) -----------------------------------------------------------------
     Seam("vllm.v1.worker.gpu_worker:Worker", "init_device", "method", "", "tree backend registered first",
          platform="cuda"),
@@ -183,7 +188,7 @@ SEAMS: tuple[Seam, ...] = (
     *(Seam("vllm.v1.sample.metadata:SamplingMetadata", f, "field",
            why="sampled requests' per-row temperature / top-k / top-p and seeded generators (sampling.py)")
       for f in ("temperature", "top_k", "top_p", "generators")),
-    Seam("vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_top_p", "method", "logits, k, p",
+    Seam("vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_top_p", "method", "logits, k, p, ...",
          "sampling.node_probs applies vLLM's own top-k / top-p to the tree's rows"),
     Seam(BATCH, "random_reqs", "attr", why="which tree rows are walked by target-only rejection"),
     Seam("vllm.v1.sample.logits_processor:LogitsProcessors", "argmax_invariant", "attr",

@@ -43,6 +43,35 @@ def test_invalid_settings_name_the_value(raw, needle):
         tc.parse_tree_settings(raw)
 
 
+def test_adaptive_budget_settings_round_trip_and_size_the_spec_slots():
+    s = tc.parse_tree_settings({"budget": "auto", "menu": "none 3,1,4 5,4,8"})
+    assert [m and (m.num_steps, m.topk, m.num_draft_tokens) for m in s.menu] == [None, (3, 1, 4), (5, 4, 8)]
+    assert s.num_spec_tokens == 7  # the menu's largest tree sizes vLLM's spec slots
+    assert tc.parse_tree_settings(s.as_dict()) == s  # what workers re-read from additional_config
+    assert tc.parse_tree_settings({"budget": "off"}).menu is None
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ({"budget": "auto", "topk": 2}, r"drop \['topk'\]"),
+    ({"budget": "sometimes"}, "budget='sometimes'"),
+    ({"menu": "none 3,1,4"}, "budget is not 'auto'"),
+    ({"budget": "auto", "menu": "3,1,5"}, "3,1,5"),
+    ({"budget": "auto", "menu": "none 3,1"}, "triple"),
+    ({"budget": "auto", "menu": "none 16,10,130"}, "128"),
+])
+def test_invalid_budget_settings_name_the_value(raw, needle):
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        tc.parse_tree_settings(raw)
+
+
+def test_budget_cli_flags():
+    ea = _parse(["--model", "m", "--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path",
+                 str(head_path("eagle3")), "--speculative-tree-budget", "auto", "--speculative-tree-menu",
+                 "none,3,1,4,5,4,8"])
+    assert ea.additional_config["spec_tree"] == {"budget": "auto", "menu": "none,3,1,4,5,4,8"}
+    assert tc.parse_tree_settings(ea.additional_config["spec_tree"]).num_spec_tokens == 7
+
+
 def _engine_args(**kw):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -67,7 +96,7 @@ def test_prepare_engine_args_fills_what_the_tree_needs():
      "num_draft_tokens - 1 = 7"),
     ({"speculative_config": {"method": "eagle3"}}, "draft head"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"data_parallel_size": 2}, "data_parallel_size"),
     ({"async_scheduling": True}, "async_scheduling"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ({"worker_cls": "my.Worker"}, "worker_cls"),
