@@ -31,7 +31,6 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1|0"
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 from smollm2_gate import require_smollm2  # noqa: E402
@@ -50,6 +49,18 @@ TP_KW = dict(tensor_parallel_size=TP, distributed_executor_backend="mp", max_mod
 MAX_TOKENS = [40, 9, 24]
 PREEMPT_TOKENS = 64
 SHAPES = [(3, 1, 4), (5, 4, 8), (3, 2, 6)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def three_rank_thread_binding():
+    """Only this module's engines have three ranks: the binding must not leak into other modules."""
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1|0"
+    yield
+    if before is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +149,15 @@ def test_tp_that_does_not_divide_the_heads_is_refused():
     from spec_plugins.heads import head_path
 
     target = AutoConfig.from_pretrained(ensure_converted())
-    head = AutoConfig.from_pretrained(head_path("eagle3"))
-    check_tensor_parallel_heads(3, head, target, "eagle3-head")  # 9 and 3 heads: fine
+    head = AutoConfig.from_pretrained(head_path("eagle1"))
+    check_tensor_parallel_heads(3, head, target, "eagle1-head")  # 9 and 3 heads, 49152 tokens: fine
     with pytest.raises(TreeConfigError, match=r"tensor_parallel_size=2 does not divide the target's "
                                               r"num_attention_heads=9"):
-        check_tensor_parallel_heads(2, head, target, "eagle3-head")
+        check_tensor_parallel_heads(2, head, target, "eagle1-head")
     head.num_key_value_heads = 1
-    with pytest.raises(TreeConfigError, match=r"draft head eagle3-head's num_key_value_heads=1"):
-        check_tensor_parallel_heads(3, head, target, "eagle3-head")
+    with pytest.raises(TreeConfigError, match=r"draft head eagle1-head's num_key_value_heads=1"):
+        check_tensor_parallel_heads(3, head, target, "eagle1-head")
+    eagle3 = AutoConfig.from_pretrained(head_path("eagle3"))
+    with pytest.raises(TreeConfigError, match=r"eagle3-head's vocabulary \(8192, 8192 padded\)"):
+        check_tensor_parallel_heads(3, eagle3, target, "eagle3-head")
+    check_tensor_parallel_heads(1, eagle3, target, "eagle3-head")  # TP 1: nothing to divide
