@@ -28,6 +28,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import chisquare
 import spec_tree_kernels as K
 
 # ------------------------------------------------------------------ helpers
@@ -417,18 +418,6 @@ def test_decision_check_catches_a_broken_sampler(bug):
 SAMPLES = 1_000_000
 
 
-def chi_square_p_value(counts: dict, expected_prob: dict, total: int) -> float:
-    """Pearson's chi-square test; a category of zero expected probability
-    must never occur (p-value 0 if it does)."""
-    if any(n > 0 and expected_prob.get(k, 0.0) == 0.0 for k, n in counts.items()):
-        return 0.0
-    categories = [k for k, q in expected_prob.items() if q > 0]
-    stat = sum((counts.get(k, 0) - total * expected_prob[k]) ** 2 / (total * expected_prob[k]) for k in categories)
-    dof = len(categories) - 1
-    f64 = functools.partial(torch.tensor, dtype=torch.float64)
-    return float(torch.special.gammaincc(f64(dof / 2), f64(stat / 2)))  # P(chi2_dof > stat)
-
-
 def emitted_prefix_counts(result, length: int, vocab: int) -> dict[tuple[int, ...], int]:
     """Counts of each request's first ``length`` emitted tokens (fewer when it
     emitted fewer: accept_length + 1 tokens)."""
@@ -478,7 +467,8 @@ def statistical_p_values(sampler) -> dict[int, float]:
         total = sum(expected.values())
         expected = {k: q / total for k, q in expected.items()}  # float32 rows: renormalize
         counts = emitted_prefix_counts(result, length, len(STAT_PROBS[0]))
-        out[length] = chi_square_p_value(counts, expected, SAMPLES)
+        assert sum(counts.values()) == SAMPLES
+        out[length] = chisquare.goodness_of_fit(counts, expected)[2]
     return out
 
 
@@ -493,18 +483,6 @@ def test_first_two_tokens_pass_a_chi_square_test():
 def test_chi_square_test_fails_a_broken_sampler(bug):
     p_values = statistical_p_values(BROKEN[bug])
     assert min(p_values.values()) < 1e-12, p_values
-
-
-def test_chi_square_of_a_known_sample():
-    """The p-value helper itself: a perfect fit gives 1, a gross misfit ~0,
-    and a hand-computed case (stat 4, 2 dof: exp(-2))."""
-    assert chi_square_p_value({"a": 50, "b": 50}, {"a": 0.5, "b": 0.5}, 100) == pytest.approx(1.0)
-    assert chi_square_p_value({"a": 90, "b": 10}, {"a": 0.5, "b": 0.5}, 100) < 1e-12
-    # counts 30/40/30 against 1/3 each of 100 is stat 2 - check exp(-stat/2) for 2 dof
-    stat = sum((n - 100 / 3) ** 2 / (100 / 3) for n in (30, 40, 30))
-    got = chi_square_p_value({"a": 30, "b": 40, "c": 30}, {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}, 100)
-    assert got == pytest.approx(math.exp(-stat / 2), rel=1e-9)
-    assert chi_square_p_value({"z": 1, "a": 99}, {"a": 1.0}, 100) == 0.0  # an impossible category occurred
 
 
 # --------------------------------------------------------------- greedy limit

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import sys
 
 import pytest
 
@@ -21,6 +23,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import tiny  # noqa: E402  (tests/model/tiny.py)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+import chisquare  # noqa: E402  (tests/chisquare.py)
 
 from spec_plugins.reference_decoder import TreeDecoder, sampling_probs  # noqa: E402
 
@@ -30,32 +35,7 @@ N_SEEDS = 1000
 ALPHA = 1e-3
 
 
-def two_sample_chi2(a: collections.Counter, b: collections.Counter) -> tuple[float, int, float]:
-    """Two-sample chi-square homogeneity test of two outcome counters
-    (NIST's form for unequal sample sizes). Outcomes with fewer than 10
-    observations in both samples together are pooled into one bin.
-    Returns (statistic, degrees of freedom, p-value)."""
-    keys = sorted(set(a) | set(b))
-    n1, n2 = sum(a.values()), sum(b.values())
-    A = torch.tensor([a[k] for k in keys], dtype=torch.float64)
-    B = torch.tensor([b[k] for k in keys], dtype=torch.float64)
-    small = (A + B) < 10
-    A = torch.cat([A[~small], A[small].sum()[None]])
-    B = torch.cat([B[~small], B[small].sum()[None]])
-    used = (A + B) > 0
-    A, B = A[used], B[used]
-    k1, k2 = (n2 / n1) ** 0.5, (n1 / n2) ** 0.5
-    stat = float(((k1 * A - k2 * B) ** 2 / (A + B)).sum())
-    df = len(A) - 1
-    return stat, df, chi2_sf(stat, df)
-
-
-def chi2_sf(stat: float, df: int) -> float:
-    """P(chi2_df >= stat) via the regularized upper incomplete gamma function (no scipy)."""
-    if df <= 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+POOL_BELOW = 10  # outcomes seen fewer times in both samples together share one bin
 
 
 def engineered_decoder(cls=TreeDecoder):
@@ -105,18 +85,10 @@ def baseline():
     return baseline_counts(engineered_decoder())
 
 
-def test_chi2_sf_matches_known_quantiles():
-    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, abs=1e-9)
-    assert chi2_sf(18.307038053275146, 10) == pytest.approx(0.05, abs=1e-9)
-    same = collections.Counter({"x": 500, "y": 300, "z": 200})
-    assert two_sample_chi2(same, same)[2] == pytest.approx(1.0)
-    assert two_sample_chi2(same, collections.Counter({"x": 300, "y": 300, "z": 400}))[2] < 1e-10
-
-
 def test_sampled_tree_matches_plain_sampling_in_distribution(baseline):
     accept_lengths = []
     tree = tree_counts(engineered_decoder(), N_SEEDS, accept_lengths)
-    stat, df, p = two_sample_chi2(baseline, tree)
+    stat, df, p = chisquare.two_sample(baseline, tree, min_count=POOL_BELOW)
     assert df >= 10, f"too few outcome bins ({df + 1}): the test has little power"
     assert p > ALPHA, f"tree sampling differs from plain sampling: chi2 {stat:.1f}, df {df}, p {p:.2e}"
     hist = torch.bincount(torch.tensor(accept_lengths), minlength=SHAPE[0] + 1)
@@ -125,7 +97,8 @@ def test_sampled_tree_matches_plain_sampling_in_distribution(baseline):
 
 
 def test_distribution_test_detects_a_wrong_tree_temperature(baseline):
-    stat, df, p = two_sample_chi2(baseline, tree_counts(engineered_decoder(HotterTreePath), 300))
+    stat, df, p = chisquare.two_sample(baseline, tree_counts(engineered_decoder(HotterTreePath), 300),
+                                       min_count=POOL_BELOW)
     assert p < ALPHA, f"a tree path at temperature x 1.5 went unnoticed: chi2 {stat:.1f}, df {df}, p {p:.2e}"
 
 

@@ -43,6 +43,8 @@ where the test runs SGLang's own CPU path, its Triton version stands in.
 
 from __future__ import annotations
 
+import os
+import sys
 import types
 
 import pytest
@@ -79,6 +81,9 @@ import spec_tree_kernels as stk  # noqa: E402
 from spec_plugins.sglang_ext import config, engine_patches  # noqa: E402
 from spec_tree_kernels import TreeMaskMode  # noqa: E402
 from test_plugin_worker import draft_worker_double, make_backend  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+import chisquare  # noqa: E402  (tests/chisquare.py)
 
 pytestmark = pytest.mark.sglang
 
@@ -120,54 +125,8 @@ def clean(monkeypatch, ckpt):
 
 # ------------------------------------------------------------ statistics
 
-
-def chi2_sf(stat: float, dof: int) -> float:
-    """Survival function of the chi-square distribution (regularized upper
-    incomplete gamma)."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))  # fmt: skip
-
-
-def chi2_goodness(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0):
-    """(statistic, dof) of observed ``counts`` against ``probs``; categories
-    with small expected counts are pooled; any count where p = 0 is infinite."""
-    counts, probs = counts.double(), probs.double()
-    n = float(counts.sum())
-    if bool(((probs == 0) & (counts > 0)).any()):
-        return float("inf"), 1
-    expected = probs * n
-    order = torch.argsort(expected, descending=True)
-    obs_bins, exp_bins, acc_o, acc_e = [], [], 0.0, 0.0
-    for i in order.tolist():
-        if float(expected[i]) == 0:
-            continue
-        acc_o, acc_e = acc_o + float(counts[i]), acc_e + float(expected[i])
-        if acc_e >= min_expected:
-            obs_bins.append(acc_o)
-            exp_bins.append(acc_e)
-            acc_o = acc_e = 0.0
-    if acc_e > 0:
-        if exp_bins:
-            obs_bins[-1] += acc_o
-            exp_bins[-1] += acc_e
-        else:
-            obs_bins, exp_bins = [acc_o], [acc_e]
-    o, e = torch.tensor(obs_bins), torch.tensor(exp_bins)
-    return float(((o - e) ** 2 / e).sum()), max(len(obs_bins) - 1, 1)
-
-
-def chi2_two_sample(a: torch.Tensor, b: torch.Tensor):
-    """(statistic, dof) of the homogeneity test of two count vectors."""
-    a, b = a.double(), b.double()
-    keep = (a + b) > 0
-    a, b = a[keep], b[keep]
-    na, nb = float(a.sum()), float(b.sum())
-    pooled = (a + b) / (na + nb)
-    ea, eb = pooled * na, pooled * nb
-    stat = float(((a - ea) ** 2 / ea).sum() + ((b - eb) ** 2 / eb).sum())
-    return stat, max(int(keep.sum()) - 1, 1)
-
-
+# Chi-square tests: tests/chisquare.py (goodness of fit pools the outcomes
+# expected fewer than 5 times; the two-sample tests here pool nothing).
 ALPHA = 1e-3  # the tests are seeded: a pass or a failure reproduces
 
 
@@ -308,16 +267,15 @@ def transition_test(bonus, emitted, target_table, settings, min_count=40):
     """Pooled chi-square of every emitted token against the target's law after
     its prefix (the Markov target: after its previous token)."""
     prev, nxt = transitions(bonus, emitted)
-    stat, dof, groups = 0.0, 0, 0
+    tests = []
     for token in range(VOCAB):
         chosen = nxt[prev == token]
         if chosen.numel() < min_count:
             continue
         p = target_probs_of(target_table[token], **settings)
-        s, d = chi2_goodness(torch.bincount(chosen, minlength=VOCAB), p)
-        stat, dof, groups = stat + s, dof + d, groups + 1
-    assert groups >= 3, "too few prefixes observed to test"
-    return chi2_sf(stat, dof)
+        tests.append(chisquare.goodness_of_fit(torch.bincount(chosen, minlength=VOCAB), p))
+    assert len(tests) >= 3, "too few prefixes observed to test"
+    return chisquare.combined(tests)[2]
 
 
 MODE_SETTINGS = dict(temperature=0.8, top_k=8)
@@ -341,8 +299,8 @@ def test_emitted_tokens_follow_the_target_in_every_mask_mode(monkeypatch, mode):
     for token in (3, 7, 11):
         first = emitted[bonus == token, 0]
         law = target_probs_of(target_table[token], **MODE_SETTINGS)
-        stat, dof = chi2_goodness(torch.bincount(first, minlength=VOCAB), law)
-        assert chi2_sf(stat, dof) > ALPHA, (token, stat, dof)
+        stat, dof, p = chisquare.goodness_of_fit(torch.bincount(first, minlength=VOCAB), law)
+        assert p > ALPHA, (token, stat, dof)
     assert transition_test(bonus, emitted, target_table, MODE_SETTINGS) > ALPHA
 
 
@@ -371,10 +329,11 @@ def test_first_tokens_agree_with_and_without_speculation(monkeypatch, settings):
     direct = sglang_direct_samples(target_table[bonus], **settings)
     for token in (2, 9):
         rows = bonus == token
-        stat, dof = chi2_two_sample(
-            torch.bincount(emitted[rows, 0], minlength=VOCAB), torch.bincount(direct[rows], minlength=VOCAB)
+        stat, dof, p = chisquare.two_sample(
+            torch.bincount(emitted[rows, 0], minlength=VOCAB), torch.bincount(direct[rows], minlength=VOCAB),
+            min_count=1,
         )
-        assert chi2_sf(stat, dof) > ALPHA, (token, stat, dof)
+        assert p > ALPHA, (token, stat, dof)
     assert transition_test(bonus, emitted, target_table, settings) > ALPHA
 
 
@@ -391,7 +350,7 @@ def test_the_statistical_checks_can_fail(monkeypatch):
     mode = TreeMaskMode.ANCESTOR_BITMASK
 
     def first_token_pvalue(emitted, law):
-        return chi2_sf(*chi2_goodness(torch.bincount(emitted[rows, 0], minlength=VOCAB), law))
+        return chisquare.goodness_of_fit(torch.bincount(emitted[rows, 0], minlength=VOCAB), law)[2]
 
     def run(settings, bonus=bonus, **kwargs):
         torch.manual_seed(5)
@@ -420,8 +379,12 @@ def test_the_statistical_checks_can_fail(monkeypatch):
     monkeypatch.setattr(engine_patches, "verify_context_of", real_context)
     direct = sglang_direct_samples(target_table[bonus], **with_min_p)
     counts = torch.bincount(direct[rows], minlength=VOCAB)
-    assert chi2_sf(*chi2_two_sample(torch.bincount(run(with_min_p)[rows, 0], minlength=VOCAB), counts)) > ALPHA
-    assert chi2_sf(*chi2_two_sample(torch.bincount(no_min_p[rows, 0], minlength=VOCAB), counts)) < 1e-6
+
+    def two_sample_pvalue(emitted):
+        return chisquare.two_sample(torch.bincount(emitted[rows, 0], minlength=VOCAB), counts, min_count=1)[2]
+
+    assert two_sample_pvalue(run(with_min_p)) > ALPHA
+    assert two_sample_pvalue(no_min_p) < 1e-6
     # 4. SGLang's own CPU behaviour: argmax whatever the temperature. Its greedy
     # verify there is sgl_kernel's CPU op (not installed): SGLang's Triton
     # version stands in (interpreted, hence a smaller batch).
@@ -435,7 +398,7 @@ def test_the_statistical_checks_can_fail(monkeypatch):
     greedy = run(settings, bonus=small, active=False)
     assert bool((greedy[small == 2, 0] == target_table[2].argmax()).all())
     counts = torch.bincount(greedy[small == 2, 0], minlength=VOCAB)
-    assert chi2_sf(*chi2_goodness(counts, law)) < 1e-6
+    assert chisquare.goodness_of_fit(counts, law)[2] < 1e-6
 
 
 # ---------------------------------------------------------- seeded requests
@@ -507,9 +470,9 @@ def test_seeded_requests_reproduce_and_follow_the_target(monkeypatch):
     other = step(seeds + 1, 0)
     assert float((other[:, 0] != first[:, 0]).float().mean()) > 0.2
     for token in (4, 13):
-        stat, dof = chi2_goodness(torch.bincount(first[bonus == token, 0], minlength=VOCAB),
-                                  target_probs_of(target_table[token], **settings))  # fmt: skip
-        assert chi2_sf(stat, dof) > ALPHA
+        stat, dof, p = chisquare.goodness_of_fit(torch.bincount(first[bonus == token, 0], minlength=VOCAB),
+                                                 target_probs_of(target_table[token], **settings))  # fmt: skip
+        assert p > ALPHA, (token, stat, dof)
     assert transition_test(bonus, first, target_table, settings) > ALPHA
     # the exponentials' stream is apart from SGLang's coins (same seed and seq_len, other salt)
     coins, _ = eagle_utils._verify_coins(sampling_info=sampling_info(4, seed=seeds[:4]), seq_lens=seq_lens[:4],
