@@ -93,6 +93,22 @@ def resolve_impl(op: str, impl: str, device: torch.device) -> str:
     return impl
 
 
+def _implementation(op: str, impl: str, device: torch.device):
+    """The module whose functions run ``op`` (``resolve_impl``): ``reference``,
+    ``triton_ops`` or ``cuda_ops``, each with the op's reference signature.
+    Imported here, on first use, because each needs its own toolchain."""
+    which = resolve_impl(op, impl, device)
+    if which == "triton":
+        from . import triton_ops
+
+        return triton_ops
+    if which == "cuda":
+        from . import cuda_ops
+
+        return cuda_ops
+    return reference
+
+
 # ---------------------------------------------------------------- validation
 
 
@@ -282,23 +298,9 @@ def build_tree(
         if bool(((selected_index < 0) | (selected_index >= pool)).any()):
             raise ValueError(f"selected_index has entries outside the candidate pool [0, {pool})")
         _check_parent_list_values(parent_list, topk, num_steps)
-    which = resolve_impl("build", impl, device)
-    if which == "triton":
-        from . import triton_ops
-
-        out, ok = triton_ops.build_tree(
-            selected_index, parent_list, seq_lens, topk, num_steps, mode, seq_lens_sum, fill_prefix_mask, tree_mask_buf
-        )
-    elif which == "cuda":
-        from . import cuda_ops
-
-        out, ok = cuda_ops.build_tree(
-            selected_index, parent_list, seq_lens, topk, num_steps, mode, seq_lens_sum, fill_prefix_mask, tree_mask_buf
-        )
-    else:
-        out, ok = reference.build_tree(
-            selected_index, parent_list, seq_lens, topk, num_steps, mode, seq_lens_sum, fill_prefix_mask, tree_mask_buf
-        )
+    out, ok = _implementation("build", impl, device).build_tree(
+        selected_index, parent_list, seq_lens, topk, num_steps, mode, seq_lens_sum, fill_prefix_mask, tree_mask_buf
+    )
     if validate and not bool(ok.all()):
         bad = int((~ok).nonzero()[0, 0])
         raise ValueError(
@@ -359,6 +361,27 @@ def node_parents(selected_index: torch.Tensor, parent_list: torch.Tensor, topk: 
     return parent
 
 
+def _check_verify_tree(
+    candidates: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    num_steps: int,
+    **node_arrays: torch.Tensor,
+) -> None:
+    """The inputs both verify ops walk: candidates, the links and any other
+    ``node_arrays`` (by name), all [B, T] int64 on candidates' device with
+    1 <= T <= MAX_TREE_NODES, and a positive num_steps."""
+    _check_positive("num_steps", num_steps)
+    _check_tensor("candidates", candidates, 2, (torch.int64,))
+    links = {"retrieve_next_token": retrieve_next_token, "retrieve_next_sibling": retrieve_next_sibling}
+    for name, t in {**links, **node_arrays}.items():
+        _check_tensor(name, t, 2, (torch.int64,), candidates.device)
+        if t.shape != candidates.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, candidates has {tuple(candidates.shape)}")
+    if candidates.shape[1] < 1 or candidates.shape[1] > MAX_TREE_NODES:
+        raise ValueError(f"candidates must have 1..{MAX_TREE_NODES} nodes per request, got {candidates.shape[1]}")
+
+
 def verify_tree_greedy(
     candidates: torch.Tensor,
     retrieve_next_token: torch.Tensor,
@@ -377,29 +400,10 @@ def verify_tree_greedy(
     Returns ``VerifyResult`` (accept_index [B, D+1] int32, accept_length [B]
     int32, accept_tokens [B, D+1] int64).
     """
-    _check_positive("num_steps", num_steps)
-    _check_tensor("candidates", candidates, 2, (torch.int64,))
-    device = candidates.device
-    for name, t in (
-        ("retrieve_next_token", retrieve_next_token),
-        ("retrieve_next_sibling", retrieve_next_sibling),
-        ("target_predict", target_predict),
-    ):
-        _check_tensor(name, t, 2, (torch.int64,), device)
-        if t.shape != candidates.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, candidates has {tuple(candidates.shape)}")
-    if candidates.shape[1] < 1 or candidates.shape[1] > MAX_TREE_NODES:
-        raise ValueError(f"candidates must have 1..{MAX_TREE_NODES} nodes per request, got {candidates.shape[1]}")
-    which = resolve_impl("verify", impl, device)
-    if which == "triton":
-        from . import triton_ops
-
-        return triton_ops.verify_tree_greedy(candidates, retrieve_next_token, retrieve_next_sibling, target_predict, num_steps)
-    if which == "cuda":
-        from . import cuda_ops
-
-        return cuda_ops.verify_tree_greedy(candidates, retrieve_next_token, retrieve_next_sibling, target_predict, num_steps)
-    return reference.verify_tree_greedy(candidates, retrieve_next_token, retrieve_next_sibling, target_predict, num_steps)
+    _check_verify_tree(candidates, retrieve_next_token, retrieve_next_sibling, num_steps, target_predict=target_predict)
+    return _implementation("verify", impl, candidates.device).verify_tree_greedy(
+        candidates, retrieve_next_token, retrieve_next_sibling, target_predict, num_steps
+    )
 
 
 def verify_tree_sampling(
@@ -430,13 +434,8 @@ def verify_tree_sampling(
     Every implementation consumes the same randoms and returns the same result.
     Returns ``VerifyResult``: accept_tokens = accepted drafts, then the drawn token.
     """
-    _check_positive("num_steps", num_steps)
-    _check_tensor("candidates", candidates, 2, (torch.int64,))
+    _check_verify_tree(candidates, retrieve_next_token, retrieve_next_sibling, num_steps)
     device = candidates.device
-    for name, t in (("retrieve_next_token", retrieve_next_token), ("retrieve_next_sibling", retrieve_next_sibling)):
-        _check_tensor(name, t, 2, (torch.int64,), device)
-        if t.shape != candidates.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, candidates has {tuple(candidates.shape)}")
     _check_tensor("target_probs", target_probs, 3, (torch.float32, torch.float64), device)
     batch, nodes = candidates.shape
     if tuple(target_probs.shape[:2]) != (batch, nodes):
@@ -446,22 +445,12 @@ def verify_tree_sampling(
         _check_tensor(name, t, 2, (target_probs.dtype,), device)
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {list(shape)}")
-    if nodes < 1 or nodes > MAX_TREE_NODES:
-        raise ValueError(f"candidates must have 1..{MAX_TREE_NODES} nodes per request, got {nodes}")
     if vocab < 1:
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}: the vocabulary V must be at least 1")
-    args = (candidates, retrieve_next_token, retrieve_next_sibling, target_probs.contiguous(), coins.contiguous(),
-            exponentials.contiguous(), num_steps)  # fmt: skip
-    which = resolve_impl("verify_sampling", impl, device)
-    if which == "triton":
-        from . import triton_ops
-
-        return triton_ops.verify_tree_sampling(*args)
-    if which == "cuda":
-        from . import cuda_ops
-
-        return cuda_ops.verify_tree_sampling(*args)
-    return reference.verify_tree_sampling(*args)
+    return _implementation("verify_sampling", impl, device).verify_tree_sampling(
+        candidates, retrieve_next_token, retrieve_next_sibling, target_probs.contiguous(), coins.contiguous(),
+        exponentials.contiguous(), num_steps,
+    )  # fmt: skip
 
 
 def distinct_views(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -523,13 +512,4 @@ def move_accepted_kv(
     if not caches or verify_slots.shape[0] == 0:
         return
     caches = distinct_views(caches)
-    which = resolve_impl("move_kv", impl, device)
-    if which == "triton":
-        from . import triton_ops
-
-        return triton_ops.move_accepted_kv(caches, verify_slots, accept_index, accept_length)
-    if which == "cuda":
-        from . import cuda_ops
-
-        return cuda_ops.move_accepted_kv(caches, verify_slots, accept_index, accept_length)
-    return reference.move_accepted_kv(caches, verify_slots, accept_index, accept_length)
+    _implementation("move_kv", impl, device).move_accepted_kv(caches, verify_slots, accept_index, accept_length)

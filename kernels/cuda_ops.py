@@ -49,7 +49,7 @@ import torch
 
 from . import startup
 from .modes import TreeMaskMode, empty_tree_mask
-from .reference import TreeBuild, VerifyResult
+from .reference import TreeBuild, VerifyResult, empty_verify_result
 
 logger = logging.getLogger("spec_tree_kernels")
 
@@ -256,33 +256,30 @@ def _device_arch_flags() -> list[str]:
     return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
-def build_shared_library(nvcc: str, arch_flags: Sequence[str], out_dir: Path | None = None) -> Path:
-    """``nvcc -shared`` build of tree_ops.cu (static cudart), reused while the
-    sources and flags are unchanged. Returns the library path."""
-    flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", *arch_flags]
-    digest = _sources_digest(_KERNEL_SOURCE, *_HEADERS, extra=" ".join(flags))
-    out_dir = out_dir or _cache_dir()
-    library = out_dir / f"libspec_tree_ops_{digest}.so"
+def _compile_library(compiler: str, flags: list[str], name: str, digest_key: str, out_dir: Path | None) -> Path:
+    """``compiler flags tree_ops.cu`` into ``lib{name}_{digest}.so`` in
+    ``out_dir`` (default: the build cache), reused while the sources and
+    ``digest_key`` are unchanged. Returns the library path."""
+    digest = _sources_digest(_KERNEL_SOURCE, *_HEADERS, extra=digest_key)
+    library = (out_dir or _cache_dir()) / f"lib{name}_{digest}.so"
     if not library.exists():
         tmp = library.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([nvcc, *flags, "-I", str(CSRC), str(_KERNEL_SOURCE), "-o", str(tmp)], check=True,
+        subprocess.run([compiler, *flags, "-I", str(CSRC), str(_KERNEL_SOURCE), "-o", str(tmp)], check=True,
                        capture_output=True, text=True)  # fmt: skip
         os.replace(tmp, library)  # atomic: concurrent builders never load a half-written file
     return library
 
 
+def build_shared_library(nvcc: str, arch_flags: Sequence[str], out_dir: Path | None = None) -> Path:
+    """``nvcc -shared`` build of tree_ops.cu (static cudart). Returns the library path."""
+    flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", *arch_flags]
+    return _compile_library(nvcc, flags, "spec_tree_ops", " ".join(flags), out_dir)
+
+
 def build_emulated_library(cxx: str = "c++", out_dir: Path | None = None) -> Path:
     """Host build of tree_ops.cu against cuda_emulation.h (for CPU tests)."""
     flags = ["-std=c++17", "-O1", "-x", "c++", "-DSPEC_TREE_EMULATE", "-shared", "-fPIC", "-pthread"]
-    digest = _sources_digest(_KERNEL_SOURCE, *_HEADERS, extra=" ".join([cxx, *flags]))
-    out_dir = out_dir or _cache_dir()
-    library = out_dir / f"libspec_tree_ops_emulated_{digest}.so"
-    if not library.exists():
-        tmp = library.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([cxx, *flags, "-I", str(CSRC), str(_KERNEL_SOURCE), "-o", str(tmp)], check=True,
-                       capture_output=True, text=True)  # fmt: skip
-        os.replace(tmp, library)
-    return library
+    return _compile_library(cxx, flags, "spec_tree_ops_emulated", " ".join([cxx, *flags]), out_dir)
 
 
 def emulated_backend(out_dir: Path | None = None) -> _CtypesBackend:
@@ -397,17 +394,8 @@ def _backend_or_raise(backend):
 
 
 def build_tree(
-    selected_index: torch.Tensor,
-    parent_list: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topk: int,
-    num_steps: int,
-    mode: TreeMaskMode,
-    seq_lens_sum: int,
-    fill_prefix_mask: bool = True,
-    tree_mask_buf: torch.Tensor | None = None,
-    *,
-    backend=None,
+    selected_index, parent_list, seq_lens, topk, num_steps, mode, seq_lens_sum, fill_prefix_mask, tree_mask_buf,
+    *, backend=None
 ) -> tuple[TreeBuild, torch.Tensor]:
     """``reference.build_tree`` in one kernel (plus a memset for FULL_MASK's prefix).
 
@@ -440,45 +428,31 @@ def build_tree(
     return TreeBuild(mask, links[0], links[1], links[2], links[3]), ok
 
 
-def verify_tree_greedy(
-    candidates: torch.Tensor,
-    next_token: torch.Tensor,
-    next_sibling: torch.Tensor,
-    target_predict: torch.Tensor,
-    num_steps: int,
-    *,
-    backend=None,
-) -> VerifyResult:
+def _verify(launch, candidates, next_token, next_sibling, target_inputs, num_steps) -> VerifyResult:
+    """Run a backend's verify op (``launch``): the tree's three [B, T] arrays
+    and ``target_inputs``, contiguous, then the ``VerifyResult`` outputs it fills."""
+    batch = candidates.shape[0]
+    result = empty_verify_result(batch, int(num_steps) + 1, candidates.device)
+    if batch:
+        launch(
+            candidates.contiguous(), next_token.contiguous(), next_sibling.contiguous(),
+            *(t.contiguous() for t in target_inputs), *result,
+        )  # fmt: skip
+    return result
+
+
+def verify_tree_greedy(candidates, next_token, next_sibling, target_predict, num_steps, *, backend=None) -> VerifyResult:
     """``reference.verify_tree_greedy``: a warp per request walks the tree in shared memory.
 
     candidates, next_token, next_sibling, target_predict: [B, T] int64.
     Returns accept_index [B, S+1] int32, accept_length [B] int32, accept_tokens [B, S+1] int64.
     """
-    be = _backend_or_raise(backend)
-    batch = candidates.shape[0]
-    width = int(num_steps) + 1
-    device = candidates.device
-    accept_index = torch.empty(batch, width, dtype=torch.int32, device=device)
-    accept_length = torch.empty(batch, dtype=torch.int32, device=device)
-    accept_tokens = torch.empty(batch, width, dtype=torch.int64, device=device)
-    if batch:
-        be.verify(
-            candidates.contiguous(), next_token.contiguous(), next_sibling.contiguous(), target_predict.contiguous(),
-            accept_index, accept_length, accept_tokens,
-        )  # fmt: skip
-    return VerifyResult(accept_index, accept_length, accept_tokens)
+    launch = _backend_or_raise(backend).verify
+    return _verify(launch, candidates, next_token, next_sibling, (target_predict,), num_steps)
 
 
 def verify_tree_sampling(
-    candidates: torch.Tensor,
-    next_token: torch.Tensor,
-    next_sibling: torch.Tensor,
-    target_probs: torch.Tensor,
-    coins: torch.Tensor,
-    exponentials: torch.Tensor,
-    num_steps: int,
-    *,
-    backend=None,
+    candidates, next_token, next_sibling, target_probs, coins, exponentials, num_steps, *, backend=None
 ) -> VerifyResult:
     """``reference.verify_tree_sampling``: a block per request; thread 0 walks
     the tree in shared memory, then the block runs the exponential race over V.
@@ -487,29 +461,11 @@ def verify_tree_sampling(
     coins [B, T], exponentials [B, V]: float32 or float64, one dtype.
     Returns accept_index [B, S+1] int32, accept_length [B] int32, accept_tokens [B, S+1] int64.
     """
-    be = _backend_or_raise(backend)
-    batch = candidates.shape[0]
-    width = int(num_steps) + 1
-    device = candidates.device
-    accept_index = torch.empty(batch, width, dtype=torch.int32, device=device)
-    accept_length = torch.empty(batch, dtype=torch.int32, device=device)
-    accept_tokens = torch.empty(batch, width, dtype=torch.int64, device=device)
-    if batch:
-        be.verify_sampling(
-            candidates.contiguous(), next_token.contiguous(), next_sibling.contiguous(), target_probs.contiguous(),
-            coins.contiguous(), exponentials.contiguous(), accept_index, accept_length, accept_tokens,
-        )  # fmt: skip
-    return VerifyResult(accept_index, accept_length, accept_tokens)
+    launch = _backend_or_raise(backend).verify_sampling
+    return _verify(launch, candidates, next_token, next_sibling, (target_probs, coins, exponentials), num_steps)
 
 
-def move_accepted_kv(
-    caches: Sequence[torch.Tensor],
-    verify_slots: torch.Tensor,
-    accept_index: torch.Tensor,
-    accept_length: torch.Tensor,
-    *,
-    backend=None,
-) -> None:
+def move_accepted_kv(caches: Sequence[torch.Tensor], verify_slots, accept_index, accept_length, *, backend=None) -> None:
     """``reference.move_accepted_kv`` in place; caches of equal shape, strides
     and element size (e.g. every layer's K and V) share one launch.
 

@@ -53,6 +53,16 @@ class VerifyResult(NamedTuple):
     accept_tokens: torch.Tensor
 
 
+def empty_verify_result(batch: int, width: int, device: torch.device) -> VerifyResult:
+    """Uninitialised ``VerifyResult`` outputs (accepted-path arrays ``width``
+    wide) for a kernel that writes every element."""
+    return VerifyResult(
+        torch.empty(batch, width, dtype=torch.int32, device=device),
+        torch.empty(batch, dtype=torch.int32, device=device),
+        torch.empty(batch, width, dtype=torch.int64, device=device),
+    )
+
+
 def pool_step_bounds(topk: int, num_steps: int) -> list[tuple[int, int]]:
     """[start, end) of each draft step's candidates inside the pool."""
     bounds = [(0, topk)]
@@ -241,6 +251,65 @@ def build_tree(
     return TreeBuild(mask, positions, retrieve_index, first_child, next_sibling), ok
 
 
+def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values[b, index[b]] for every request b: [B, N] values, [B] index."""
+    return values.gather(1, index[:, None])[:, 0]
+
+
+def _walk_start(batch: int, max_depth: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every walk at the root: (accept_index [B, D + 1] int64 holding just the
+    root, -1 padded; the current node [B]; alive [B]: still descending)."""
+    accept_index = torch.full((batch, max_depth + 1), -1, dtype=torch.int64, device=device)
+    accept_index[:, 0] = 0
+    cur = torch.zeros(batch, dtype=torch.int64, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    return accept_index, cur, alive
+
+
+def _first_accepted_child(
+    first_child: torch.Tensor, alive: torch.Tensor, retrieve_next_sibling: torch.Tensor, accepts
+) -> torch.Tensor:
+    """[B] the first child, in sibling order from ``first_child``, that
+    ``accepts``; -1 where none is (or the walk is no longer alive).
+
+    ``accepts(child, k, scanning) -> [B] bool`` tests each request's k-th
+    child; ``child`` is clamped to a valid node, and only the ``scanning``
+    requests' answers count. It is called in sibling order, so it may keep
+    state across the siblings of one node.
+    """
+    chosen = torch.full_like(first_child, -1)
+    child = first_child
+    for k in range(retrieve_next_sibling.shape[1] - 1):  # a node has at most T - 1 children
+        scanning = alive & (chosen < 0) & (child >= 0)
+        if not bool(scanning.any()):
+            break
+        safe = child.clamp(min=0)
+        hit = scanning & accepts(safe, k, scanning)
+        chosen = torch.where(hit, child, chosen)
+        child = torch.where(scanning & ~hit, _at(retrieve_next_sibling, safe), child)
+    return chosen
+
+
+def _descend(
+    accept_index: torch.Tensor, depth: int, alive: torch.Tensor, cur: torch.Tensor, chosen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Record depth ``depth``'s accepted node (chosen, -1 for none: that walk
+    ends) in accept_index; returns the new (alive, cur)."""
+    alive = alive & (chosen >= 0)
+    accept_index[:, depth] = torch.where(alive, chosen, -1)
+    return alive, torch.where(alive, chosen, cur)
+
+
+def _accept_length(accept_index: torch.Tensor) -> torch.Tensor:
+    """[B] int64 accepted draft nodes of a walk's accept_index (the root excluded)."""
+    return (accept_index[:, 1:] >= 0).sum(dim=1)
+
+
+def _verify_result(accept_index: torch.Tensor, accept_tokens: torch.Tensor) -> VerifyResult:
+    """A walk's ``VerifyResult``, in its dtypes, from its int64 accept_index."""
+    return VerifyResult(accept_index.to(torch.int32), _accept_length(accept_index).to(torch.int32), accept_tokens)
+
+
 def verify_tree_greedy(
     candidates: torch.Tensor,
     retrieve_next_token: torch.Tensor,
@@ -255,33 +324,19 @@ def verify_tree_greedy(
     target's argmax at each node). Links: [B, T] int64. Returns ``VerifyResult``
     with accepted-path arrays max_depth + 1 wide.
     """
-    batch, nodes = candidates.shape
-    device = candidates.device
-    width = max_depth + 1
-    accept_index = torch.full((batch, width), -1, dtype=torch.int64, device=device)
-    accept_index[:, 0] = 0
-    cur = torch.zeros(batch, dtype=torch.int64, device=device)
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
-    for depth in range(1, width):
-        wanted = target_predict.gather(1, cur[:, None])[:, 0]
-        child = retrieve_next_token.gather(1, cur[:, None])[:, 0]
-        chosen = torch.full_like(cur, -1)
-        for _ in range(nodes - 1):  # a node has at most T - 1 children
-            scanning = alive & (chosen < 0) & (child >= 0)
-            if not bool(scanning.any()):
-                break
-            safe = child.clamp(min=0)[:, None]
-            hit = scanning & (candidates.gather(1, safe)[:, 0] == wanted)
-            chosen = torch.where(hit, child, chosen)
-            child = torch.where(scanning & ~hit, retrieve_next_sibling.gather(1, safe)[:, 0], child)
-        alive = alive & (chosen >= 0)
-        accept_index[:, depth] = torch.where(alive, chosen, -1)
-        cur = torch.where(alive, chosen, cur)
-    accept_length = (accept_index[:, 1:] >= 0).sum(dim=1)
+    accept_index, cur, alive = _walk_start(candidates.shape[0], max_depth, candidates.device)
+    for depth in range(1, max_depth + 1):
+        wanted = _at(target_predict, cur)
+
+        def accepts(child: torch.Tensor, k: int, scanning: torch.Tensor) -> torch.Tensor:
+            return _at(candidates, child) == wanted
+
+        chosen = _first_accepted_child(_at(retrieve_next_token, cur), alive, retrieve_next_sibling, accepts)
+        alive, cur = _descend(accept_index, depth, alive, cur, chosen)
     accept_tokens = torch.where(
         accept_index >= 0, target_predict.gather(1, accept_index.clamp(min=0)), torch.full_like(accept_index, -1)
     )
-    return VerifyResult(accept_index.to(torch.int32), accept_length.to(torch.int32), accept_tokens)
+    return _verify_result(accept_index, accept_tokens)
 
 
 def verify_tree_sampling(
@@ -337,41 +392,32 @@ def verify_tree_sampling(
     batch, nodes = candidates.shape
     vocab = target_probs.shape[2]
     device = candidates.device
-    width = max_depth + 1
     rows = torch.arange(batch, device=device)
-    accept_index = torch.full((batch, width), -1, dtype=torch.int64, device=device)
-    accept_index[:, 0] = 0
-    cur = torch.zeros(batch, dtype=torch.int64, device=device)
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    accept_index, cur, alive = _walk_start(batch, max_depth, device)
     # tokens rejected at the node where each request's walk stopped: zeroed in the final draw
     final_rejected = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
-    for depth in range(1, width):
+    for depth in range(1, max_depth + 1):
         p_node = target_probs[rows, cur]  # [B, V]
-        child = retrieve_next_token.gather(1, cur[:, None])[:, 0]
-        chosen = torch.full_like(cur, -1)
         mass = torch.ones(batch, dtype=target_probs.dtype, device=device)
         rejected = torch.full((batch, nodes), -1, dtype=torch.int64, device=device)
-        for k in range(nodes - 1):  # a node has at most T - 1 children
-            scanning = alive & (chosen < 0) & (child >= 0)
-            if not bool(scanning.any()):
-                break
-            safe = child.clamp(min=0)
-            token = candidates.gather(1, safe[:, None])[:, 0]
+
+        def accepts(child: torch.Tensor, k: int, scanning: torch.Tensor) -> torch.Tensor:
+            nonlocal mass
+            token = _at(candidates, child)
             in_vocab = (token >= 0) & (token < vocab)
-            p = p_node.gather(1, token.clamp(0, vocab - 1)[:, None])[:, 0]
+            p = _at(p_node, token.clamp(0, vocab - 1))
             duplicate = (rejected == token[:, None]).any(dim=1)
             p = torch.where(in_vocab & ~duplicate, p, torch.zeros_like(p))  # p_res(token)
-            hit = scanning & (coins.gather(1, safe[:, None])[:, 0] * mass < p)
+            hit = _at(coins, child) * mass < p
             miss = scanning & ~hit
-            chosen = torch.where(hit, child, chosen)
             mass = torch.where(miss, mass - p, mass)
             rejected[:, k] = torch.where(miss, token, rejected[:, k])
-            child = torch.where(miss, retrieve_next_sibling.gather(1, safe[:, None])[:, 0], child)
+            return hit
+
+        chosen = _first_accepted_child(_at(retrieve_next_token, cur), alive, retrieve_next_sibling, accepts)
         stops = alive & (chosen < 0)
         final_rejected = torch.where(stops[:, None], rejected, final_rejected)
-        alive = alive & (chosen >= 0)
-        accept_index[:, depth] = torch.where(alive, chosen, -1)
-        cur = torch.where(alive, chosen, cur)
+        alive, cur = _descend(accept_index, depth, alive, cur, chosen)
     p_final = target_probs[rows, cur]  # [B, V]
     final_rejected = torch.where((final_rejected >= 0) & (final_rejected < vocab), final_rejected, -1)
     residual = p_final.clone()
@@ -382,12 +428,11 @@ def verify_tree_sampling(
     drawn = race.argmax(dim=1)
     empty = ~(race.gather(1, drawn[:, None])[:, 0] > 0)  # nothing of positive probability left (or NaN)
     drawn = torch.where(empty, (p_final / exponentials).argmax(dim=1), drawn)
-    accept_length = (accept_index[:, 1:] >= 0).sum(dim=1)
     accept_tokens = torch.full_like(accept_index, -1)
     next_node = torch.cat([accept_index[:, 1:], accept_index.new_full((batch, 1), -1)], dim=1)
     accept_tokens = torch.where(next_node >= 0, candidates.gather(1, next_node.clamp(min=0)), accept_tokens)
-    accept_tokens[rows, accept_length] = drawn
-    return VerifyResult(accept_index.to(torch.int32), accept_length.to(torch.int32), accept_tokens)
+    accept_tokens[rows, _accept_length(accept_index)] = drawn
+    return _verify_result(accept_index, accept_tokens)
 
 
 def move_accepted_kv(

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .modes import TreeMaskMode, ancestor_bitmask_words, empty_tree_mask
-from .reference import TreeBuild, VerifyResult
+from .reference import TreeBuild, VerifyResult, empty_verify_result
 
 _ROW_TILE = 16  # rows of a [rows, T] tile in the build kernel
 
@@ -274,26 +274,31 @@ def _verify_kernel(
     tl.store(accept_length_ptr + b, length)
 
 
-def verify_tree_greedy(candidates, next_token, next_sibling, target_predict, num_steps):
+def _launch_verify(
+    kernel, candidates, next_token, next_sibling, target_inputs, num_steps, **kernel_args
+) -> VerifyResult:
+    """One program per request of a verify kernel whose parameters are the
+    tree's three [B, T] arrays, ``target_inputs``, the three ``VerifyResult``
+    outputs, then the keyword ``kernel_args`` and the shape constexprs T, W."""
     batch, nodes = candidates.shape
     width = num_steps + 1
-    device = candidates.device
-    accept_index = torch.empty(batch, width, dtype=torch.int32, device=device)
-    accept_length = torch.empty(batch, dtype=torch.int32, device=device)
-    accept_tokens = torch.empty(batch, width, dtype=torch.int64, device=device)
+    result = empty_verify_result(batch, width, candidates.device)
     if batch:
-        _verify_kernel[(batch,)](
+        kernel[(batch,)](
             candidates.contiguous(),
             next_token.contiguous(),
             next_sibling.contiguous(),
-            target_predict.contiguous(),
-            accept_index,
-            accept_length,
-            accept_tokens,
+            *(t.contiguous() for t in target_inputs),
+            *result,
+            **kernel_args,
             T=nodes,
             W=width,
         )
-    return VerifyResult(accept_index, accept_length, accept_tokens)
+    return result
+
+
+def verify_tree_greedy(candidates, next_token, next_sibling, target_predict, num_steps):
+    return _launch_verify(_verify_kernel, candidates, next_token, next_sibling, (target_predict,), num_steps)
 
 
 # ------------------------------------------------------------ sampled verify
@@ -445,33 +450,20 @@ def verify_tree_sampling(
     """``reference.verify_tree_sampling``, one program per request.
     ``block_v``: vocabulary block of the final draw (a power of two; default
     min(1024, V rounded up))."""
-    batch, nodes = candidates.shape
     vocab = target_probs.shape[2]
-    width = num_steps + 1
-    device = candidates.device
-    accept_index = torch.empty(batch, width, dtype=torch.int32, device=device)
-    accept_length = torch.empty(batch, dtype=torch.int32, device=device)
-    accept_tokens = torch.empty(batch, width, dtype=torch.int64, device=device)
-    if batch:
-        _verify_sampling_kernel[(batch,)](
-            candidates.contiguous(),
-            next_token.contiguous(),
-            next_sibling.contiguous(),
-            target_probs.contiguous(),
-            coins.contiguous(),
-            exponentials.contiguous(),
-            accept_index,
-            accept_length,
-            accept_tokens,
-            vocab,
-            T=nodes,
-            W=width,
-            BLOCK_T=_pow2(nodes),
-            BLOCK_W=_pow2(width),
-            BLOCK_V=block_v or min(1024, _pow2(vocab)),
-            IS_F64=target_probs.dtype == torch.float64,
-        )
-    return VerifyResult(accept_index, accept_length, accept_tokens)
+    return _launch_verify(
+        _verify_sampling_kernel,
+        candidates,
+        next_token,
+        next_sibling,
+        (target_probs, coins, exponentials),
+        num_steps,
+        V=vocab,
+        BLOCK_T=_pow2(candidates.shape[1]),
+        BLOCK_W=_pow2(num_steps + 1),
+        BLOCK_V=block_v or min(1024, _pow2(vocab)),
+        IS_F64=target_probs.dtype == torch.float64,
+    )
 
 
 # -------------------------------------------------------------------- move KV

@@ -264,6 +264,20 @@ __global__ void fill_ones_kernel(void* mask, int elem_size, int64_t count) {
 
 // ------------------------------------------------------------------ verify
 
+// Node j of request b's tree, staged in shared memory by both verify kernels:
+// its token, and its links as int16 (T <= 1024). An out-of-range link (only
+// in invalid input) ends the list.
+__device__ __forceinline__ void stage_tree_node(const int64_t* candidates, const int64_t* next_token,
+                                                const int64_t* next_sibling, int64_t b, int T, int j, int64_t* cand,
+                                                int16_t* child_of, int16_t* sibling_of) {
+  const int64_t node = b * T + j;
+  cand[j] = candidates[node];
+  const int64_t c = next_token[node];
+  const int64_t s = next_sibling[node];
+  child_of[j] = static_cast<int16_t>(c >= 0 && c < T ? c : -1);
+  sibling_of[j] = static_cast<int16_t>(s >= 0 && s < T ? s : -1);
+}
+
 // Per-warp shared memory of the verify kernel: a request's candidates and
 // target tokens (int64) and its links (int16: T <= 1024).
 __host__ __device__ __forceinline__ int64_t verify_warp_smem(int64_t nodes) { return align_up(20 * nodes, 16); }
@@ -288,13 +302,8 @@ __global__ void __launch_bounds__(256)
   int16_t* sibling_of = child_of + T;
   if (b < batch) {
     for (int j = lane; j < T; j += 32) {
-      cand[j] = candidates[b * T + j];
+      stage_tree_node(candidates, next_token, next_sibling, b, T, j, cand, child_of, sibling_of);
       target[j] = target_predict[b * T + j];
-      // an out-of-range link (only in invalid input) ends the list
-      const int64_t c = next_token[b * T + j];
-      const int64_t s = next_sibling[b * T + j];
-      child_of[j] = static_cast<int16_t>(c >= 0 && c < T ? c : -1);
-      sibling_of[j] = static_cast<int16_t>(s >= 0 && s < T ? s : -1);
     }
   }
   __syncthreads();
@@ -399,13 +408,8 @@ __global__ void __launch_bounds__(kSamplingThreads)
   int64_t* rejected = reinterpret_cast<int64_t*>(smem + layout.rejected);
   int32_t* state = reinterpret_cast<int32_t*>(smem + layout.state);
   for (int j = tid; j < T; j += threads) {
-    cand[j] = candidates[b * T + j];
+    stage_tree_node(candidates, next_token, next_sibling, b, T, j, cand, child_of, sibling_of);
     coin[j] = coins[b * T + j];
-    // an out-of-range link (only in invalid input) ends the list
-    const int64_t c = next_token[b * T + j];
-    const int64_t s = next_sibling[b * T + j];
-    child_of[j] = static_cast<int16_t>(c >= 0 && c < T ? c : -1);
-    sibling_of[j] = static_cast<int16_t>(s >= 0 && s < T ? s : -1);
   }
   __syncthreads();
   int32_t* out_index = accept_index + b * width;

@@ -27,6 +27,23 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, c
 
 void* current_stream(const at::Device& device) { return c10::cuda::getCurrentCUDAStream(device.index()).stream(); }
 
+// What both verify ops take: candidates, next_token, next_sibling [B, T]
+// int64 and the outputs accept_index [B, W] int32, accept_length [B] int32,
+// accept_tokens [B, W] int64, all on one CUDA device, which is returned.
+at::Device check_verify_tensors(const at::Tensor& candidates, const at::Tensor& next_token,
+                                const at::Tensor& next_sibling, const at::Tensor& accept_index,
+                                const at::Tensor& accept_length, const at::Tensor& accept_tokens) {
+  const at::Device device = candidates.device();
+  TORCH_CHECK(device.is_cuda(), "candidates must be a CUDA tensor");
+  check_tensor(candidates, "candidates", at::kLong, device);
+  check_tensor(next_token, "retrieve_next_token", at::kLong, device);
+  check_tensor(next_sibling, "retrieve_next_sibling", at::kLong, device);
+  check_tensor(accept_index, "accept_index", at::kInt, device);
+  check_tensor(accept_length, "accept_length", at::kInt, device);
+  check_tensor(accept_tokens, "accept_tokens", at::kLong, device);
+  return device;
+}
+
 // selected [B, T-1], parent_list [B, PW], seq_lens [B] int64; mask: contiguous
 // buffer in the mode's layout; links [4, B, T] int64 = positions,
 // retrieve_index, next_token, next_sibling; ok [B] bool.
@@ -55,19 +72,12 @@ void build(const at::Tensor& selected, const at::Tensor& parent_list, const at::
                "build_tree");
 }
 
-// candidates, next_token, next_sibling, target [B, T] int64; accept_index
-// [B, W] int32, accept_length [B] int32, accept_tokens [B, W] int64.
+// The verify tensors (check_verify_tensors) and target [B, T] int64.
 void verify(const at::Tensor& candidates, const at::Tensor& next_token, const at::Tensor& next_sibling,
             const at::Tensor& target, at::Tensor accept_index, at::Tensor accept_length, at::Tensor accept_tokens) {
-  const at::Device device = candidates.device();
-  TORCH_CHECK(device.is_cuda(), "candidates must be a CUDA tensor");
-  check_tensor(candidates, "candidates", at::kLong, device);
-  check_tensor(next_token, "retrieve_next_token", at::kLong, device);
-  check_tensor(next_sibling, "retrieve_next_sibling", at::kLong, device);
+  const at::Device device =
+      check_verify_tensors(candidates, next_token, next_sibling, accept_index, accept_length, accept_tokens);
   check_tensor(target, "target_predict", at::kLong, device);
-  check_tensor(accept_index, "accept_index", at::kInt, device);
-  check_tensor(accept_length, "accept_length", at::kInt, device);
-  check_tensor(accept_tokens, "accept_tokens", at::kLong, device);
   const c10::cuda::CUDAGuard guard(device);
   check_launch(spec_tree_verify(candidates.data_ptr<int64_t>(), next_token.data_ptr<int64_t>(),
                                 next_sibling.data_ptr<int64_t>(), target.data_ptr<int64_t>(), candidates.size(0),
@@ -77,25 +87,18 @@ void verify(const at::Tensor& candidates, const at::Tensor& next_token, const at
                "verify_tree_greedy");
 }
 
-// candidates, next_token, next_sibling [B, T] int64; target_probs [B, T, V],
-// coins [B, T], exponentials [B, V] float32 or float64 (one dtype);
-// accept_index [B, W] int32, accept_length [B] int32, accept_tokens [B, W] int64.
+// The verify tensors (check_verify_tensors); target_probs [B, T, V], coins
+// [B, T], exponentials [B, V] float32 or float64 (one dtype).
 void verify_sampling(const at::Tensor& candidates, const at::Tensor& next_token, const at::Tensor& next_sibling,
                      const at::Tensor& target_probs, const at::Tensor& coins, const at::Tensor& exponentials,
                      at::Tensor accept_index, at::Tensor accept_length, at::Tensor accept_tokens) {
-  const at::Device device = candidates.device();
-  TORCH_CHECK(device.is_cuda(), "candidates must be a CUDA tensor");
-  check_tensor(candidates, "candidates", at::kLong, device);
-  check_tensor(next_token, "retrieve_next_token", at::kLong, device);
-  check_tensor(next_sibling, "retrieve_next_sibling", at::kLong, device);
+  const at::Device device =
+      check_verify_tensors(candidates, next_token, next_sibling, accept_index, accept_length, accept_tokens);
   const at::ScalarType real = target_probs.scalar_type();
   TORCH_CHECK(real == at::kFloat || real == at::kDouble, "target_probs must be float32 or float64, got ", real);
   check_tensor(target_probs, "target_probs", real, device);
   check_tensor(coins, "coins", real, device);
   check_tensor(exponentials, "exponentials", real, device);
-  check_tensor(accept_index, "accept_index", at::kInt, device);
-  check_tensor(accept_length, "accept_length", at::kInt, device);
-  check_tensor(accept_tokens, "accept_tokens", at::kLong, device);
   TORCH_CHECK(target_probs.dim() == 3 && target_probs.size(0) == candidates.size(0) &&
                   target_probs.size(1) == candidates.size(1),
               "target_probs must be [B, T, V]");
