@@ -63,37 +63,56 @@ def reference(prompts):
     return texts
 
 
-def test_vllm_serve_with_tree_flags(prompts, reference, tmp_path):
+def serve(tmp_path, prompts: list[str], extra_args: list[str], extra_env: dict | None = None, *,
+          head: str = "eagle3") -> dict:
+    """Start ``vllm serve`` with the tree flags, send ``prompts``, read /metrics, stop it.
+    Returns {"texts": [...], "accepted": float}."""
     model = str(ensure_converted())
     port = free_port()
     cmd = [sys.executable, str(Path(__file__).with_name("vllm_serve_shim.py")), "serve", model,
-           "--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path", str(head_path("eagle3")),
+           "--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path", str(head_path(head)),
            "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
-           "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--port", str(port),
-           "--kv-cache-memory-bytes", str(384 << 20), "--seed", "0"]
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+           "--dtype", "float32", "--enforce-eager", "--port", str(port), "--seed", "0", *extra_args]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(extra_env or {})}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the real server layout: engine core in its own process
-    log = open(tmp_path / "serve.log", "w")
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
         while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert server.poll() is None, log_path.read_text()[-3000:]
             try:
                 urllib.request.urlopen(base + "/health", timeout=5)
                 break
             except OSError:
                 assert time.time() < deadline, "server did not come up in 300 s"
                 time.sleep(2)
-        got = [post(base + "/v1/completions", {"model": model, "prompt": p, "max_tokens": MAX_TOKENS,
-                                                "temperature": 0})["choices"][0]["text"] for p in prompts]
+        texts = [post(base + "/v1/completions", {"model": model, "prompt": p, "max_tokens": MAX_TOKENS,
+                                                  "temperature": 0})["choices"][0]["text"] for p in prompts]
         metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
     finally:
         server.terminate()
         server.wait(timeout=60)
         log.close()
-    assert got == reference
     accepted = [float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
-    assert accepted and accepted[0] > 0, "the served engine accepted no draft tokens"
+    return {"texts": texts, "accepted": accepted[0] if accepted else 0.0}
+
+
+def test_vllm_serve_with_tree_flags(prompts, reference, tmp_path):
+    got = serve(tmp_path, prompts, ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(384 << 20)])
+    assert got["texts"] == reference
+    assert got["accepted"] > 0, "the served engine accepted no draft tokens"
+
+
+def test_vllm_serve_tensor_parallel_with_tree_flags(prompts, tmp_path):
+    """``--tensor-parallel-size 3`` (three CPU ranks; the EAGLE-1 head, whose
+    vocabulary divides by 3): the server answers OpenAI requests with trees
+    and accepts drafts. (Token identity under TP: test_vllm_tree_tp.py.)"""
+    got = serve(tmp_path, prompts, ["--max-model-len", "512", "--kv-cache-memory-bytes", str(96 << 20),
+                           "--tensor-parallel-size", "3", "--distributed-executor-backend", "mp"],
+                {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}, head="eagle1")
+    assert all(t.strip() for t in got["texts"]), got["texts"]
+    assert got["accepted"] > 0, "the served TP engine accepted no draft tokens"
