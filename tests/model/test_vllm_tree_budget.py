@@ -28,6 +28,7 @@ from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
 from spec_plugins.prompts import apply_chat_template, eval_prompts  # noqa: E402
 
 MENU = "none 3,1,4 5,1,6 5,4,8"
+KV_BYTES = dict(kv_cache_memory_bytes=384 << 20)
 MAX_TOKENS = 40
 
 
@@ -55,8 +56,8 @@ def generate(kwargs, prompts):
 
 
 def test_budget_auto_is_lossless_and_uses_its_menu(prompts):
-    plain = generate(engine_kwargs(), prompts)
-    auto = generate(engine_kwargs(speculative_config={"method": "eagle3", "model": str(head_path("eagle3"))},
+    plain = generate(engine_kwargs(**KV_BYTES), prompts)
+    auto = generate(engine_kwargs(**KV_BYTES, speculative_config={"method": "eagle3", "model": str(head_path("eagle3"))},
                                   additional_config={"spec_tree": {"budget": "auto", "menu": MENU}}), prompts)
     assert auto["single"] == plain["single"]
     assert auto["batch"] == plain["batch"]
