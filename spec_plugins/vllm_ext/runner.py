@@ -330,12 +330,14 @@ class TreeRunnerMixin:
                     paths[g.rows[i]] = index[: length + 1]
             if sampled:
                 res = self._verify_sampled(g, g.sampled, node_logits)
+                # the extend's next token on each accepted node is what the walk emitted after it
+                on_path = res.accept_index >= 0
+                members = torch.tensor(g.sampled, device=g.predict.device)[:, None].expand_as(on_path)
+                g.predict[members[on_path], res.accept_index.long()[on_path]] = res.accept_tokens[on_path]
                 for i, index, length, tokens in zip(g.sampled, res.accept_index.tolist(), res.accept_length.tolist(),
                                                     res.accept_tokens.tolist()):
-                    path = index[: length + 1]
-                    paths[g.rows[i]] = path
+                    paths[g.rows[i]] = index[: length + 1]
                     sampled_tokens[g.rows[i]] = tokens[: length + 1]
-                    g.predict[i, torch.tensor(path)] = torch.tensor(tokens[: length + 1], device=g.predict.device)
         return paths, sampled_tokens
 
     def _verify_greedy(self, g: TreeGroup, members: list[int]) -> stk.VerifyResult:
