@@ -142,12 +142,28 @@ def remove_if_exists(path: Path) -> bool:
 
 
 def run_build_child(args: list[str], timeout: float) -> str:
-    """Run ``python -m spec_tree_kernels.cuda_ops ARGS`` (a compile) in its own
+    """Run ``spec_tree_kernels.cuda_ops ARGS`` as ``__main__`` (a compile) in its own
     process group; kill the whole group (nvcc, ninja) after ``timeout``
     seconds. Returns the child's last stdout line; raises RuntimeError with
     its stderr tail on failure, TimeoutError on timeout."""
-    cmd = [sys.executable, "-m", "spec_tree_kernels.cuda_ops", *args]
+    package_dir = str(Path(__file__).resolve().parent)
+    cmd = [sys.executable, "-c", _BUILD_CHILD_BOOT, package_dir, *args]
     return run_killable(cmd, timeout, what="CUDA kernel build")
+
+
+# The child imports this very package from its folder, so a build works
+# whether the package is installed or loaded from a checkout's kernels/
+# (ci/device_check.py on a machine where nothing is installed).
+_BUILD_CHILD_BOOT = """
+import importlib.util, runpy, sys
+package_dir = sys.argv.pop(1)
+spec = importlib.util.spec_from_file_location(
+    "spec_tree_kernels", package_dir + "/__init__.py", submodule_search_locations=[package_dir])
+package = importlib.util.module_from_spec(spec)
+sys.modules["spec_tree_kernels"] = package
+spec.loader.exec_module(package)
+runpy.run_module("spec_tree_kernels.cuda_ops", run_name="__main__", alter_sys=True)
+"""
 
 
 def run_killable(cmd: list[str], timeout: float, what: str) -> str:

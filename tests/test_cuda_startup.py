@@ -186,3 +186,17 @@ def test_build_child_timeout_kills_its_process_group(tmp_path):
 def test_build_child_reports_a_failed_build():
     with pytest.raises(RuntimeError, match="unknown SPEC_TREE_KERNELS_CUDA_BACKEND='bogus'"):
         startup.run_build_child(["--compile", "bogus"], timeout=120)
+
+
+def test_build_child_imports_this_package_not_one_found_by_name(tmp_path, monkeypatch):
+    """The GPU check loads spec_tree_kernels from kernels/ without installing it
+    (2026-11-30's device run could not build: the child ran
+    ``python -m spec_tree_kernels.cuda_ops`` and found no such package). Here a
+    decoy package of that name shadows every other in the child's working
+    directory: the child must still run this package's cuda_ops."""
+    decoy = tmp_path / "spec_tree_kernels"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('decoy spec_tree_kernels imported')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="unknown SPEC_TREE_KERNELS_CUDA_BACKEND='bogus'"):
+        startup.run_build_child(["--compile", "bogus"], timeout=120)
