@@ -35,9 +35,9 @@ def register() -> None:
         return
     if check_engine_version("SGLang", ("sglang",), TESTED_SGLANG) is None:
         return  # SGLang is not installed: nothing to register with
-    from . import engine_patches
+    from . import registration
 
-    engine_patches.register_all()
+    registration.register_all()
     _registered = True
 
 

@@ -50,7 +50,7 @@ from sglang.srt.layers.attention.verify_mask import VerifyMask, tree_mask_numel 
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 import spec_tree_kernels as stk  # noqa: E402
-from spec_plugins.sglang_ext import config, engine_patches  # noqa: E402
+from spec_plugins.sglang_ext import config, engine_patches, layout  # noqa: E402
 from spec_plugins.sglang_ext.attention import TreeVerifyMixin, TreeVerifyTorchNativeBackend  # noqa: E402
 from spec_plugins.sglang_ext.attention import triton_tree_backend_class  # noqa: E402
 from spec_plugins.sglang_ext.worker import EagleTreeWorker  # noqa: E402
@@ -192,10 +192,10 @@ def test_spec_object_answers_every_method_sglang_asks():
 # ---------------------------------------------------------- hooked functions
 
 DROP_INS = {
-    engine_patches.HOOK_ORGANIZE: engine_patches.organize_draft_results_closed,
-    engine_patches.HOOK_BUILD: engine_patches.build_tree_sglang_layout,
-    engine_patches.HOOK_VERIFY: engine_patches.verify_tree_greedy_sglang_layout,
-    engine_patches.HOOK_MOVE_KV: engine_patches.move_accepted_kv_sglang_layout,
+    engine_patches.HOOK_ORGANIZE: layout.organize_draft_results_closed,
+    engine_patches.HOOK_BUILD: layout.build_tree_sglang_layout,
+    engine_patches.HOOK_VERIFY: layout.verify_tree_greedy_sglang_layout,
+    engine_patches.HOOK_MOVE_KV: layout.move_accepted_kv_sglang_layout,
 }
 
 

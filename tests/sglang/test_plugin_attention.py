@@ -37,7 +37,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.speculative.eagle_worker_common import build_eagle_verify_input  # noqa: E402
 
 import spec_tree_kernels as stk  # noqa: E402
-from spec_plugins.sglang_ext import config, engine_patches  # noqa: E402
+from spec_plugins.sglang_ext import config, engine_patches, layout  # noqa: E402
 from spec_tree_kernels import TreeMaskMode  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -217,7 +217,7 @@ def test_large_tree_ancestor_bitmask(published, monkeypatch):
     parent_list = _testing.random_parent_list(gen, bs, topk, steps)
     scores = torch.rand(bs, stk.pool_size(topk, steps), generator=gen)
     selected = stk.select_tree_nodes(scores, parent_list, topk, steps, nodes)
-    mask, positions, *_ = engine_patches.build_tree_sglang_layout(
+    mask, positions, *_ = layout.build_tree_sglang_layout(
         torch.zeros(bs, dtype=torch.long), parent_list, selected, torch.zeros(bs, nodes - 1, dtype=torch.long), ctx,
         int(ctx.sum()), topk, steps, nodes, TreeMaskMode.ANCESTOR_BITMASK,
     )  # fmt: skip

@@ -31,7 +31,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 import spec_plugins.sglang_ext as ext  # noqa: E402
 from spec_plugins import engine_versions  # noqa: E402
-from spec_plugins.sglang_ext import config, engine_patches  # noqa: E402
+from spec_plugins.sglang_ext import config, engine_patches, registration  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -65,7 +65,7 @@ def resolve(ckpt, head="eagle3_head", **kwargs):
 def test_register_is_idempotent_and_the_name_resolves():
     ext.register()
     ext.register()  # a second call (SGLang loads plugins once per process, tests call it again)
-    engine_patches.register_all()  # even the inner step is idempotent
+    registration.register_all()  # even the inner step is idempotent
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.speculative.spec_registry import _REGISTRY
 

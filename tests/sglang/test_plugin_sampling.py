@@ -78,7 +78,7 @@ from sglang.srt.speculative import eagle_utils, eagle_worker_v2  # noqa: E402
 from sglang.srt.speculative.eagle_info import EagleDraftInput, EagleVerifyInput  # noqa: E402
 
 import spec_tree_kernels as stk  # noqa: E402
-from spec_plugins.sglang_ext import config, engine_patches  # noqa: E402
+from spec_plugins.sglang_ext import config, engine_patches, layout  # noqa: E402
 from spec_tree_kernels import TreeMaskMode  # noqa: E402
 from test_plugin_worker import draft_worker_double, make_backend  # noqa: E402
 
@@ -365,18 +365,18 @@ def test_the_statistical_checks_can_fail(monkeypatch):
     # 1. a wrong law: another temperature
     assert first_token_pvalue(good, target_probs_of(target_table[2], **dict(settings, temperature=1.0))) < 1e-6
     # 2. a broken variant: the final draw without its exponentials
-    real_exponentials = engine_patches.verify_exponentials
-    monkeypatch.setattr(engine_patches, "verify_exponentials", lambda bs, vocab, *a, **k: torch.ones(bs, vocab))
+    real_exponentials = layout.verify_exponentials
+    monkeypatch.setattr(layout, "verify_exponentials", lambda bs, vocab, *a, **k: torch.ones(bs, vocab))
     broken = run(settings)
-    monkeypatch.setattr(engine_patches, "verify_exponentials", real_exponentials)
+    monkeypatch.setattr(layout, "verify_exponentials", real_exponentials)
     assert first_token_pvalue(broken, law) < 1e-6
     assert transition_test(bonus, broken, target_table, settings) < 1e-6
     # 3. min-p not applied (eagle_sample without our context hook)
     with_min_p = dict(settings, min_p=0.15)
-    real_context = engine_patches.verify_context_of
-    monkeypatch.setattr(engine_patches, "verify_context_of", lambda batch: engine_patches.VerifyContext(batch.seq_lens))
+    real_context = layout.verify_context_of
+    monkeypatch.setattr(layout, "verify_context_of", lambda batch: layout.VerifyContext(batch.seq_lens))
     no_min_p = run(with_min_p)
-    monkeypatch.setattr(engine_patches, "verify_context_of", real_context)
+    monkeypatch.setattr(layout, "verify_context_of", real_context)
     direct = sglang_direct_samples(target_table[bonus], **with_min_p)
     counts = torch.bincount(direct[rows], minlength=VOCAB)
 
@@ -437,7 +437,7 @@ def murmur_hash32_torch(seed, positions, col_indices):
 
 
 def test_murmur_port_equals_sglang_triton_kernel():
-    seed = (torch.tensor([0, 1, 42, 2**40 + 3, -5]) + engine_patches.VERIFY_EXP_SEED_SALT).to(torch.uint64)
+    seed = (torch.tensor([0, 1, 42, 2**40 + 3, -5]) + layout.VERIFY_EXP_SEED_SALT).to(torch.uint64)
     positions = torch.tensor([0, 7, 19, 2**33 + 1, 3]).to(torch.uint64)
     cols = torch.arange(20, dtype=torch.int64)
     theirs = torch.empty((5, 20), dtype=torch.uint32)
@@ -477,7 +477,7 @@ def test_seeded_requests_reproduce_and_follow_the_target(monkeypatch):
     # the exponentials' stream is apart from SGLang's coins (same seed and seq_len, other salt)
     coins, _ = eagle_utils._verify_coins(sampling_info=sampling_info(4, seed=seeds[:4]), seq_lens=seq_lens[:4],
                                          draft_token_num=NODES, candidates=torch.zeros(4, NODES), device="cpu")  # fmt: skip
-    exps = engine_patches.verify_exponentials(4, VOCAB, "cpu", sampling_seed=seeds[:4], seq_lens=seq_lens[:4])
+    exps = layout.verify_exponentials(4, VOCAB, "cpu", sampling_seed=seeds[:4], seq_lens=seq_lens[:4])
     assert not torch.allclose(torch.exp(-exps[:, :NODES]), coins, atol=1e-3)
 
 
@@ -524,7 +524,7 @@ def test_hand_checked_case():
     exps[0, 4] = 0.1  # token 4: 0.5 / 0.1 beats 0.2 / 1
     exps[1, 0] = 0.5  # token 0: 0.25 / 0.5 beats 0.25 / 1
     predicts, accept_index, accept_num = sglang_outputs(2, 4, 3, fill=-7)
-    engine_patches.verify_tree_sampling_sglang_layout(
+    layout.verify_tree_sampling_sglang_layout(
         predicts, accept_index, accept_num, candidates, r_index, r_next, r_sib, coins, torch.rand(2), probs,
         torch.zeros_like(probs), impl="torch", exponentials=exps,
     )  # fmt: skip
@@ -577,7 +577,7 @@ def random_tree(gen, bs, vocab=6):
     seq_lens = torch.randint(5, 30, (bs,), generator=gen)
     draft_tokens = torch.randint(0, vocab, (bs, NODES - 1), generator=gen)  # small vocab: duplicate siblings
     bonus = torch.randint(0, vocab, (bs,), generator=gen)
-    _, _, r_index, r_next, r_sib, tokens = engine_patches.build_tree_sglang_layout(
+    _, _, r_index, r_next, r_sib, tokens = layout.build_tree_sglang_layout(
         bonus, parent_list, selected, draft_tokens, seq_lens, int(seq_lens.sum()), TOPK, STEPS, NODES,
         TreeMaskMode.QLEN_ONLY,
     )  # fmt: skip
@@ -597,7 +597,7 @@ def test_layout_equals_sglang_kernel_on_one_hot_targets():
         probs = torch.nn.functional.one_hot(best, vocab).float()
         coins, final = torch.rand(bs, NODES, generator=gen), torch.rand(bs, generator=gen)
         ours = sglang_outputs(bs, NODES, STEPS)
-        engine_patches.verify_tree_sampling_sglang_layout(*ours, candidates, r_index, r_next, r_sib, coins, final,
+        layout.verify_tree_sampling_sglang_layout(*ours, candidates, r_index, r_next, r_sib, coins, final,
                                                           probs, torch.zeros_like(probs), impl="torch")  # fmt: skip
         theirs = sglang_kernel_transcription(candidates, r_index, r_next, r_sib, coins, final, probs, STEPS)
         for a, b in zip(ours, theirs):
@@ -605,7 +605,7 @@ def test_layout_equals_sglang_kernel_on_one_hot_targets():
         accepted_deep += int((ours[2] >= 2).sum())
         # and they are the greedy verify's
         greedy = sglang_outputs(bs, NODES, STEPS)
-        engine_patches.verify_tree_greedy_sglang_layout(*greedy, candidates, r_index, r_next, r_sib, best, impl="torch")
+        layout.verify_tree_greedy_sglang_layout(*greedy, candidates, r_index, r_next, r_sib, best, impl="torch")
         for a, b in zip(ours, greedy):
             assert a.tolist() == b.tolist()
     assert accepted_deep > 10
@@ -623,7 +623,7 @@ def test_layout_is_our_op_mapped_through_retrieve_index():
     probs = torch.softmax(torch.randn(bs, NODES, vocab, generator=gen) * 2, -1)
     coins, exps = torch.rand(bs, NODES, generator=gen), torch.empty(bs, vocab).exponential_(generator=gen)
     predicts, accept_index, accept_num = sglang_outputs(bs, NODES, STEPS, fill=-7)
-    engine_patches.verify_tree_sampling_sglang_layout(
+    layout.verify_tree_sampling_sglang_layout(
         predicts, accept_index, accept_num, candidates, r_index, r_next, r_sib, coins, torch.rand(bs), probs,
         torch.zeros_like(probs), impl="torch", exponentials=exps,
     )  # fmt: skip
@@ -653,7 +653,7 @@ def test_thresholds_passed_anyway_are_ignored(caplog):
     runs = []
     for thresholds in ((1.0, 1.0), (0.3, 0.5)):
         out = sglang_outputs(8, NODES, STEPS)
-        engine_patches.verify_tree_sampling_sglang_layout(*out, candidates, r_index, r_next, r_sib, coins, None, probs,
+        layout.verify_tree_sampling_sglang_layout(*out, candidates, r_index, r_next, r_sib, coins, None, probs,
                                                           None, *thresholds, impl="torch", exponentials=exps)  # fmt: skip
         runs.append([t.tolist() for t in out])
     assert runs[0] == runs[1]
@@ -678,10 +678,10 @@ def test_renorm_drop_ins_equal_sglangs_fallback(monkeypatch):
     probs[0] /= probs[0].sum()
     top_ks = torch.tensor([2, 1, 5, 40, 1 << 30, 7], dtype=torch.int32)
     top_ps = torch.tensor([0.5, 0.9, 0.99, 1.0, 0.1, 0.75])
-    torch.testing.assert_close(engine_patches.top_k_renorm_prob_torch(probs, top_ks), top_k_theirs(probs, top_ks))
-    torch.testing.assert_close(engine_patches.top_p_renorm_prob_torch(probs, top_ps), top_p_theirs(probs, top_ps))
-    torch.testing.assert_close(engine_patches.top_k_renorm_prob_torch(probs, 3), top_k_theirs(probs, 3))
-    assert int((engine_patches.top_k_renorm_prob_torch(probs, top_ks)[0] > 0).sum()) >= 4
+    torch.testing.assert_close(layout.top_k_renorm_prob_torch(probs, top_ks), top_k_theirs(probs, top_ks))
+    torch.testing.assert_close(layout.top_p_renorm_prob_torch(probs, top_ps), top_p_theirs(probs, top_ps))
+    torch.testing.assert_close(layout.top_k_renorm_prob_torch(probs, 3), top_k_theirs(probs, 3))
+    assert int((layout.top_k_renorm_prob_torch(probs, top_ks)[0] > 0).sum()) >= 4
 
 
 THRESHOLD_FLAGS = [
@@ -780,10 +780,10 @@ def test_sampling_drop_in_takes_what_sglang_passes():
 
     theirs = list(inspect.signature(inspect.unwrap(sglang_cuda_kernel)).parameters.values())
     ours = [
-        p for p in inspect.signature(engine_patches.verify_tree_sampling_sglang_layout).parameters.values()
+        p for p in inspect.signature(layout.verify_tree_sampling_sglang_layout).parameters.values()
         if p.kind != p.KEYWORD_ONLY
     ]  # fmt: skip
     assert [(p.name, p.kind, p.default) for p in ours] == [(p.name, p.kind, p.default) for p in theirs]
-    for ours_fn, theirs_fn in ((engine_patches.top_k_renorm_prob_torch, renorm_triton.top_k_renorm_probs_triton),
-                               (engine_patches.top_p_renorm_prob_torch, renorm_triton.top_p_renorm_probs_triton)):
+    for ours_fn, theirs_fn in ((layout.top_k_renorm_prob_torch, renorm_triton.top_k_renorm_probs_triton),
+                               (layout.top_p_renorm_prob_torch, renorm_triton.top_p_renorm_probs_triton)):
         assert list(inspect.signature(ours_fn).parameters) == list(inspect.signature(theirs_fn).parameters)

@@ -43,7 +43,7 @@ from sglang.srt.speculative import eagle_utils, eagle_worker_common, eagle_worke
 from sglang.srt.speculative.eagle_info import EagleDraftInput  # noqa: E402
 
 import spec_tree_kernels as stk  # noqa: E402
-from spec_plugins.sglang_ext import config, engine_patches  # noqa: E402
+from spec_plugins.sglang_ext import config, engine_patches, layout  # noqa: E402
 from spec_plugins.sglang_ext.worker import EagleTreeWorker, check_backend_reads, configured_mask_mode  # noqa: E402
 from spec_tree_kernels import TreeMaskMode  # noqa: E402
 
@@ -276,7 +276,7 @@ def random_verify_case(gen, bs, steps, topk, nodes, vocab=4):
     else:
         draft_tokens = torch.randint(0, vocab, (bs, nodes - 1), generator=gen)
     bonus = torch.randint(0, vocab, (bs,), generator=gen)
-    tree = engine_patches.build_tree_sglang_layout(
+    tree = layout.build_tree_sglang_layout(
         bonus, parent_list, selected, draft_tokens, seq_lens, int(seq_lens.sum()), topk, steps, nodes,
         TreeMaskMode.QLEN_ONLY,
     )  # fmt: skip
@@ -360,7 +360,7 @@ def test_kv_move_hook_equals_sglang_move(ckpt, monkeypatch):
             size=256, page_size=1, dtype=torch.float32, head_num=2, head_dim=8, layer_num=3, device="cpu",
             enable_memory_saver=False,
         )  # fmt: skip
-        assert engine_patches.plain_kv_views(pool) is not None
+        assert layout.plain_kv_views(pool) is not None
         g = torch.Generator().manual_seed(9)
         for buf in pool.k_buffer + pool.v_buffer:
             buf.copy_(torch.randn(buf.shape, generator=g))
@@ -421,11 +421,11 @@ def test_kv_move_leaves_quantized_pools_to_sglang(backend):
     assert type(pool) is MHATokenToKVPool and pool.is_quantized_kv_cache
     if backend == "trtllm_mha":  # the layout a k_scale_buffer-only check missed
         assert pool.k_scale_buffer is None and pool.native_k_scale_buffer is not None
-    assert engine_patches.plain_kv_views(pool) is None
+    assert layout.plain_kv_views(pool) is None
     sglang_moves = []
     batch = types.SimpleNamespace(seq_lens=torch.tensor([5]), out_cache_loc=torch.arange(4, 8))
     allocator = types.SimpleNamespace(get_kvcache=lambda: pool)
-    engine_patches.move_accepted_kv_sglang_layout(
+    layout.move_accepted_kv_sglang_layout(
         batch, torch.tensor([[0, 2, -1]]), torch.tensor([1]), allocator, impl="torch",
         fallback=lambda *args: sglang_moves.append(args),
     )  # fmt: skip
