@@ -333,6 +333,10 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
                               f"{parallel.data_parallel_size}: spec_tree supports {SUPPORTED_PARALLELISM} only")
     check_tensor_parallel_heads(parallel.tensor_parallel_size, spec.draft_model_config.hf_config,
                                 model.hf_text_config, spec.draft_model_config.model)
+    if settings.menu and parallel.tensor_parallel_size > 1:
+        raise TreeConfigError(f"spec_tree budget='auto' with tensor_parallel_size={parallel.tensor_parallel_size}: "
+                              "every rank times its own steps, so ranks could pick different shapes for one step; "
+                              "use a fixed tree shape under tensor parallelism")
     from .requests import mark_tree_engine
 
     mark_tree_engine(vllm_config)  # min_p / logit_bias requests are served (logit_bias without speculation)

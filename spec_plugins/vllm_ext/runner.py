@@ -188,6 +188,28 @@ class TreeRunnerMixin:
                                        target_layers + sorted(draft_layers))
         check_at_startup(self, target_layers, sorted(draft_layers))  # layouts/variants: refuse now, not per request
         install_full_logitsprocs(self)  # logit_bias, min_p, entry-point processors apply as without speculation
+        if self.budget is not None:
+            self._profile_plain_decode()
+
+    def _profile_plain_decode(self) -> None:
+        """Seed the budget's plain-decode cost t_V(1, B) at startup, over
+        batch sizes 1, 2, 4, ... up to 128 (or max_num_seqs): one forward of B
+        one-token requests (vLLM's own dummy run; it skips attention, which at
+        these sizes is a small share). Without it the policy knows no
+        speculation's cost only at the batch sizes where it happened to run it,
+        and may keep speculating where plain decode is faster. Online steps
+        refine every value (``CostTable``); trees' T > 1 costs start from the
+        same curve over tokens B * T."""
+        largest = min(128, self.scheduler_config.max_num_seqs, self.max_num_tokens)
+        sizes = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]
+        self._dummy_run(largest)  # warm-up: allocations, first-call paths
+        for batch in sizes:
+            seconds = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                self._dummy_run(batch)
+                seconds.append(time.perf_counter() - t0)
+            self.budget.costs.observe_verify(1, batch, min(seconds))
 
     def _layer_kv(self, name: str) -> torch.Tensor:
         kv = self.compilation_config.static_forward_context[name].kv_cache
@@ -485,17 +507,26 @@ class TreeRunnerMixin:
         """One drafting step for the batch: head extend, KV commit, tree drafting."""
         t0 = time.perf_counter()
         step = self._drafting_step(scheduler_output.total_num_scheduled_tokens)
-        input_ids = self._extend_input_ids(step, sampled_token_ids)
-        features = self.tree_drafter.features(hidden_states[: step.num_rows],
-                                              [h[: step.num_rows] for h in aux_hidden_states or []])
-        t1 = time.perf_counter()
-        last_hidden, next_hidden = self.tree_drafter.extend(common_attn_metadata, input_ids,
-                                                            self.positions[: step.num_rows], features)
-        t2 = time.perf_counter()
-        self._commit_verified_trees()
-        t3 = time.perf_counter()
         shape = self._choose_shape(len(step.drafting))
-        drafts = self._draft_trees(step, last_hidden, next_hidden, shape)
+        if shape is None and self._step_pure_decode:
+            # The budget runs a plain decode step next: skip the head entirely. The head KV of
+            # this step's positions stays unwritten; drafts after speculation resumes attend to
+            # those slots' stale contents, which can only lower acceptance (verification decides
+            # every token). Prefill rows always extend: a prompt's head KV is never skipped.
+            self._commit_verified_trees()
+            t1 = t2 = t3 = time.perf_counter()
+            drafts = self._draft_trees(step, None, None, None)
+        else:
+            input_ids = self._extend_input_ids(step, sampled_token_ids)
+            features = self.tree_drafter.features(hidden_states[: step.num_rows],
+                                                  [h[: step.num_rows] for h in aux_hidden_states or []])
+            t1 = time.perf_counter()
+            last_hidden, next_hidden = self.tree_drafter.extend(common_attn_metadata, input_ids,
+                                                                self.positions[: step.num_rows], features)
+            t2 = time.perf_counter()
+            self._commit_verified_trees()
+            t3 = time.perf_counter()
+            drafts = self._draft_trees(step, last_hidden, next_hidden, shape)
         t4 = time.perf_counter()
         self._tree_draft_seconds = t4 - t3
         if self.budget is not None and len(step.drafting):

@@ -142,6 +142,17 @@ def test_eagle3_head_whose_vocabulary_tp_does_not_divide_is_refused_at_startup()
     gc.collect()
 
 
+def test_adaptive_budget_under_tensor_parallelism_is_refused_at_startup():
+    """Each rank times its own steps: ranks could choose different shapes for one step."""
+    from vllm import LLM
+
+    kw = tree_kwargs("eagle1", (5, 4, 8), **TP_KW)
+    kw["additional_config"] = {"spec_tree": {"budget": "auto", "menu": "none 3,1,4 5,4,8"}}
+    with pytest.raises(Exception, match=r"budget='auto' with tensor_parallel_size=3"):
+        LLM(**kw)
+    gc.collect()
+
+
 def test_tp_that_does_not_divide_the_heads_is_refused():
     from spec_plugins.vllm_ext.config import TreeConfigError, check_tensor_parallel_heads
     from transformers import AutoConfig
