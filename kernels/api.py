@@ -10,7 +10,8 @@ runs one implementation:
 * ``impl="auto"``   (default) the fastest available for the tensors' device:
   see ``_AUTO_PREFERENCE``; the reference on CPU.
 
-``SPEC_TREE_KERNELS_IMPL`` overrides ``auto`` process-wide.
+``SPEC_TREE_KERNELS_IMPL`` overrides ``auto`` process-wide (``resolve_impl``,
+which tree attention honours too).
 
 Value checks that need the data (NaN scores, an open tree) cost a host sync
 and run only with ``validate=True`` (the default); engine hot paths pass
@@ -40,7 +41,13 @@ _AUTO_PREFERENCE = {
     "verify": ("cuda", "triton", "torch"),
     "verify_sampling": ("cuda", "triton", "torch"),
     "move_kv": ("cuda", "triton", "torch"),
+    "attention": ("triton", "torch"),  # tree attention (``attention.py``): no CUDA C++ kernel
 }
+# The implementations an op accepts where not all of IMPLS: asked for another
+# one it raises ValueError, and ``SPEC_TREE_KERNELS_IMPL`` naming another one
+# leaves the op on ``auto``. (Selection accepts "cuda" and runs the reference.)
+_OP_IMPLS = {"attention": ("torch", "triton")}
+IMPL_ENV = "SPEC_TREE_KERNELS_IMPL"
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,9 +76,12 @@ def cuda_usable(device: torch.device) -> bool:
 
 
 def resolve_impl(op: str, impl: str, device: torch.device) -> str:
-    """Pick the implementation for ``op`` on ``device`` (see module doc)."""
+    """Pick the implementation for ``op`` on ``device`` (see module doc): the
+    one rule every op, tree attention included, dispatches by."""
+    accepted = _OP_IMPLS.get(op, IMPLS)
     if impl == "auto":
-        impl = os.environ.get("SPEC_TREE_KERNELS_IMPL", "auto")
+        forced = os.environ.get(IMPL_ENV, "auto")
+        impl = "auto" if forced in IMPLS and forced not in accepted else forced
     if impl == "auto":
         if device.type != "cuda":
             return "torch"
@@ -81,8 +91,8 @@ def resolve_impl(op: str, impl: str, device: torch.device) -> str:
             ):
                 return choice
         return "torch"
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {('auto',) + IMPLS}, got {impl!r}")
+    if impl not in accepted:
+        raise ValueError(f"impl must be one of {('auto',) + accepted}, got {impl!r}")
     if impl == "triton" and not triton_usable(device):
         raise RuntimeError(
             f"impl='triton' needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors "

@@ -70,19 +70,17 @@ from .attention_triton import (  # noqa: F401  (re-exported)
     tree_attention_triton,
     triton,
 )
+from .api import resolve_impl
 
 
 def tree_attention(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale=None, *, impl: str = "auto"):
-    """Tree attention; ``impl`` is "torch" (reference), "triton" or "auto"
-    (Triton on CUDA when importable, the reference otherwise). The Triton
-    path picks its kernel (single pass or split KV) by shape."""
-    if impl == "auto":
-        impl = "triton" if q.device.type == "cuda" and triton is not None else "torch"
-    if impl == "torch":
-        return tree_attention_reference(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale)
-    if impl == "triton":
+    """Tree attention; ``impl`` is "torch" (reference), "triton" or "auto",
+    chosen by ``api.resolve_impl`` like every op (``SPEC_TREE_KERNELS_IMPL``
+    honoured; auto: Triton on CUDA when importable, the reference otherwise).
+    The Triton path picks its kernel (single pass or split KV) by shape."""
+    if resolve_impl("attention", impl, q.device) == "triton":
         return tree_attention_triton(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale)
-    raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    return tree_attention_reference(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale)
 
 
 def bench_tree_attention(*args, **kwargs):

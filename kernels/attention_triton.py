@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .api import triton_usable
 from .attention_reference import _check_inputs, _default_scale
 from .modes import TreeMaskMode, ancestor_bitmask_words
 
@@ -436,9 +437,8 @@ def _interpreting() -> bool:
 
 
 def _triton_usable(device: torch.device) -> bool:
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+    """``api.triton_usable`` (the one rule), for this module's own import of Triton."""
+    return triton is not None and triton_usable(device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -449,3 +449,27 @@ def test_dispatch_and_validation():
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             tree_attention(*args, impl="triton")
+
+
+def test_dispatch_honours_the_impl_env(monkeypatch):
+    """tree_attention resolves ``auto`` by ``spec_tree_kernels.resolve_impl``,
+    like every op: SPEC_TREE_KERNELS_IMPL is honoured, except where it names an
+    implementation tree attention lacks (CUDA C++), which leaves ``auto``."""
+    from spec_tree_kernels.api import resolve_impl
+
+    p = problem("random", 6, [2, 9], seed=1)
+    args = p.args(torch.device("cpu"))
+    ref = tree_attention_reference(*args)
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "cuda")
+    assert resolve_impl("attention", "auto", torch.device("cpu")) == "torch"
+    assert torch.equal(tree_attention(*args), ref)
+    with pytest.raises(ValueError, match="impl"):
+        resolve_impl("attention", "cuda", torch.device("cpu"))
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "torch")
+    assert torch.equal(tree_attention(*args), ref)
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            tree_attention(*args)
+    else:
+        assert_close(tree_attention(*args), ref, torch.float32)

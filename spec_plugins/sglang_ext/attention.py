@@ -29,7 +29,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.verify_mask import VerifyMask
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from spec_tree_kernels import TreeMaskMode, tree_attention
+from spec_tree_kernels import TreeMaskMode, resolve_impl, tree_attention
 from spec_tree_kernels.modes import ancestor_bitmask_words
 
 from .config import ALGORITHM_NAME, BACKEND_TORCH, requested_mask_mode, resolve_mask_mode
@@ -140,7 +140,7 @@ class TreeVerifyMixin:
     """Target verify through ``tree_attention``; everything else is the parent's."""
 
     backend_name = BACKEND_TORCH
-    tree_attention_impl = "auto"  # "torch" | "triton" | "auto" (Triton on CUDA tensors)
+    tree_attention_impl = "auto"  # "torch" | "triton" | "auto" (spec_tree_kernels.resolve_impl)
 
     def _init_tree_verify(self, model_runner) -> None:
         if getattr(model_runner, "use_mla_backend", False):
@@ -192,10 +192,7 @@ class TreeVerifyMixin:
         return super().init_forward_metadata_out_graph(forward_batch, in_capture)
 
     def _resolve_impl(self, device: torch.device) -> str:
-        impl = self.tree_attention_impl
-        if impl == "auto":
-            return "triton" if device.type == "cuda" else "torch"
-        return impl
+        return resolve_impl("attention", self.tree_attention_impl, device)
 
     def tree_verify_metadata(self, forward_batch) -> TreeVerifyMeta:
         spec = forward_batch.spec_info
