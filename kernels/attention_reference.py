@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from .modes import TreeMaskMode, ancestor_bitmask_words, parse_mask_mode
+from .modes import TREE_ATTENTION_MODES, TreeMaskMode, ancestor_bitmask_words, parse_mask_mode
 
-SUPPORTED_MODES = (TreeMaskMode.ANCESTOR_BITMASK, TreeMaskMode.PARENT_POINTER, TreeMaskMode.QLEN_ONLY)
+SUPPORTED_MODES = TREE_ATTENTION_MODES  # the table in ``modes``
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 

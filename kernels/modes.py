@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -46,6 +48,37 @@ class TreeMaskMode(enum.IntEnum):
     QLEN_ONLY_BITPACKING = 2
     ANCESTOR_BITMASK = 3
     PARENT_POINTER = 4
+
+
+@dataclass(frozen=True)
+class ModeSupport:
+    """What one mask mode is and who reads it (the table ``MODES``)."""
+
+    layout: str  # shape in words (the module doc gives the bits)
+    dtype: Optional[torch.dtype]  # None: by T (QLEN_ONLY_BITPACKING: uint8 / uint16 / uint32)
+    max_nodes: int  # largest T the layout holds
+    sglang_builds: bool  # SGLang 0.5.23 builds this layout itself (byte-identical to ours)
+    tree_attention: Optional[int]  # ``tree_attention`` reads it: its rank, 0 = the default; None: not read
+
+
+# The one table of mask modes. Both adapters' verify attention is
+# ``spec_tree_kernels.tree_attention``, so ``TREE_ATTENTION_MODES`` is what
+# vLLM's tree rows and SGLang's spec_tree backends accept.
+MODES: dict[TreeMaskMode, ModeSupport] = {
+    TreeMaskMode.FULL_MASK: ModeSupport("flat [sum(L) * T + B * T * T]", torch.bool, MAX_TREE_NODES, True, None),
+    TreeMaskMode.QLEN_ONLY: ModeSupport("flat [B * T * T]", torch.bool, MAX_TREE_NODES, True, 2),
+    TreeMaskMode.QLEN_ONLY_BITPACKING: ModeSupport("flat [B * T] words", None, MAX_BITPACKED_NODES, True, None),
+    TreeMaskMode.ANCESTOR_BITMASK: ModeSupport("[B, T, ceil(T / 64)]", torch.int64, MAX_TREE_NODES, False, 0),
+    TreeMaskMode.PARENT_POINTER: ModeSupport("[B, 2, T] (parent, depth)", torch.int16, MAX_TREE_NODES, False, 1),
+}
+# The modes tree attention reads, its default first.
+TREE_ATTENTION_MODES: tuple[TreeMaskMode, ...] = tuple(
+    sorted((m for m, s in MODES.items() if s.tree_attention is not None), key=lambda m: MODES[m].tree_attention)
+)
+TREE_ATTENTION_MODE_NAMES: tuple[str, ...] = tuple(m.name for m in TREE_ATTENTION_MODES)
+DEFAULT_TREE_ATTENTION_MODE = TREE_ATTENTION_MODES[0]
+# Modes only we build (SGLang's buffers for them are ours to lay out).
+OWN_MODES: tuple[TreeMaskMode, ...] = tuple(m for m, s in MODES.items() if not s.sglang_builds)
 
 
 def parse_mask_mode(mode: "TreeMaskMode | int | str") -> TreeMaskMode:
@@ -81,8 +114,7 @@ def ancestor_bitmask_words(num_draft_tokens: int) -> int:
 
 
 def max_nodes(mode: "TreeMaskMode | int | str") -> int:
-    mode = parse_mask_mode(mode)
-    return MAX_BITPACKED_NODES if mode == TreeMaskMode.QLEN_ONLY_BITPACKING else MAX_TREE_NODES
+    return MODES[parse_mask_mode(mode)].max_nodes
 
 
 def mask_bytes_per_request(mode: "TreeMaskMode | int | str", num_draft_tokens: int, context_len: int) -> int:

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spec_tree_kernels.head_kinds import head_kind
+
 HEADS_DIR = Path(__file__).resolve().parent
 SHIPPED = {"eagle3": "smollm2-135m-eagle3", "eagle1": "smollm2-135m-eagle1"}
 
@@ -113,11 +115,8 @@ class HeadConfig:
 
     @classmethod
     def from_engine_config(cls, cfg: dict) -> "HeadConfig":
-        kind = (cfg.get("spec_plugins") or {}).get("kind") or (
-            "eagle3" if "Eagle3" in cfg["architectures"][0] else "eagle1"
-        )
         return cls(
-            kind=kind, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            kind=head_kind(cfg).value, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
             num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
             rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg.get("rope_theta", 10000.0),

@@ -24,22 +24,24 @@ import os
 from typing import Iterable, Mapping, Optional
 
 from spec_tree_kernels import TreeMaskMode, parse_mask_mode, validate_tree_shape
-from spec_tree_kernels.modes import MAX_TREE_NODES, max_nodes
+from spec_tree_kernels.head_kinds import SGLANG_ALGORITHMS, head_kind_of_architectures
+from spec_tree_kernels.modes import DEFAULT_TREE_ATTENTION_MODE, MAX_TREE_NODES, TREE_ATTENTION_MODES, max_nodes
 
 TESTED_SGLANG = ("0.5.23",)  # releases whose internals engine_patches.SEAMS was read from
 ALGORITHM_NAME = "EAGLE_TREE"
 MASK_MODE_ENV = "SPEC_PLUGINS_TREE_MASK_MODE"
 VARIANT_ENV = "SPEC_PLUGINS_EAGLE_TREE_VARIANT"
-VARIANTS = ("EAGLE", "EAGLE3")
+VARIANTS = SGLANG_ALGORITHMS  # ("EAGLE", "EAGLE3")
 
 # Our attention backends (attention.py): torch_native prefill/decode, or
 # SGLang's Triton prefill/decode; target verify is ours in both.
 BACKEND_TORCH = "spec_tree"
 BACKEND_TRITON = "spec_tree_triton"
 OUR_BACKENDS = (BACKEND_TORCH, BACKEND_TRITON)
-# What our verify attention (spec_tree_kernels.tree_attention) reads.
-OUR_BACKEND_MODES = (TreeMaskMode.ANCESTOR_BITMASK, TreeMaskMode.PARENT_POINTER, TreeMaskMode.QLEN_ONLY)
-OUR_BACKEND_DEFAULT_MODE = TreeMaskMode.ANCESTOR_BITMASK
+# What our verify attention (spec_tree_kernels.tree_attention) reads: the
+# kernel module's table of mask modes.
+OUR_BACKEND_MODES = TREE_ATTENTION_MODES
+OUR_BACKEND_DEFAULT_MODE = DEFAULT_TREE_ATTENTION_MODE
 
 
 def requested_mask_mode(environ: Mapping[str, str] = os.environ) -> Optional[TreeMaskMode]:
@@ -118,8 +120,9 @@ def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> None
 
 def detect_variant(architectures: Iterable[str]) -> str:
     """EAGLE3 when the head's architecture names EAGLE-3 (SGLang's
-    ``LlamaForCausalLMEagle3``, ``Eagle3DeepseekV2ForCausalLM``), else EAGLE."""
-    return "EAGLE3" if any("eagle3" in str(a).lower() for a in architectures or ()) else "EAGLE"
+    ``LlamaForCausalLMEagle3``, ``Eagle3DeepseekV2ForCausalLM``), else EAGLE:
+    ``spec_tree_kernels.head_kinds``' rule, in SGLang's spelling."""
+    return head_kind_of_architectures(architectures).sglang_algorithm
 
 
 def requested_variant(environ: Mapping[str, str] = os.environ) -> Optional[str]:

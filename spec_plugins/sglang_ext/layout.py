@@ -33,6 +33,7 @@ import torch
 
 import spec_tree_kernels as stk
 from spec_tree_kernels import TreeMaskMode, parse_mask_mode
+from spec_tree_kernels.modes import OWN_MODES
 
 from .config import ALGORITHM_NAME
 
@@ -59,7 +60,6 @@ def organize_draft_results_closed(score_list, token_list, parents_list, num_draf
     return parent_list, top_scores_index, draft_tokens
 
 
-_OUR_MODES = (TreeMaskMode.ANCESTOR_BITMASK, TreeMaskMode.PARENT_POINTER)
 
 
 def build_tree_sglang_layout(
@@ -88,7 +88,7 @@ def build_tree_sglang_layout(
             f"num_verify_tokens={num_verify_tokens}"
         )
     buf = tree_mask_buf
-    if buf is not None and mode in _OUR_MODES:
+    if buf is not None and mode in OWN_MODES:
         buf = buf[:bs]  # the backend's buffer holds max_bs rows
     build = stk.build_tree(
         top_scores_index.long(),
@@ -112,6 +112,18 @@ def build_tree_sglang_layout(
         build.retrieve_next_sibling,
         flat_tokens,
     )
+
+
+def write_accept_index(result, retrieve_index, accept_index, accept_token_num):
+    """Our walk's node-local ``accept_index`` (root = 0, -1 padded) as SGLang's
+    flat ``retrieve_index`` values, and the accepted draft count, written in
+    place. Returns (node [bs, D+1] int64, valid [bs, D+1] bool)."""
+    node = result.accept_index.long()
+    valid = node >= 0
+    flat = retrieve_index.long().gather(1, node.clamp(min=0))
+    accept_index.copy_(torch.where(valid, flat, torch.full_like(flat, -1)).to(accept_index.dtype))
+    accept_token_num.copy_(result.accept_length.to(accept_token_num.dtype))
+    return node, valid
 
 
 def verify_tree_greedy_sglang_layout(
@@ -138,11 +150,7 @@ def verify_tree_greedy_sglang_layout(
         accept_index.shape[1] - 1,
         impl=impl,
     )
-    node = result.accept_index.long()  # [bs, D+1] node-local, -1 padded
-    valid = node >= 0
-    flat = retrieve_index.long().gather(1, node.clamp(min=0))
-    accept_index.copy_(torch.where(valid, flat, torch.full_like(flat, -1)).to(accept_index.dtype))
-    accept_token_num.copy_(result.accept_length.to(accept_token_num.dtype))
+    node, valid = write_accept_index(result, retrieve_index, accept_index, accept_token_num)
     on_path = torch.zeros(bs, nodes + 1, dtype=torch.bool, device=candidates.device)
     on_path.scatter_(1, torch.where(valid, node, nodes), True)
     slots = retrieve_index.long().flatten()
@@ -373,11 +381,7 @@ def verify_tree_sampling_sglang_layout(
         accept_index.shape[1] - 1,
         impl=impl,
     )
-    node = result.accept_index.long()  # [bs, D+1] node-local, -1 padded
-    valid = node >= 0
-    flat = retrive_index.long().gather(1, node.clamp(min=0))
-    accept_index.copy_(torch.where(valid, flat, torch.full_like(flat, -1)).to(accept_index.dtype))
-    accept_token_num.copy_(result.accept_length.to(accept_token_num.dtype))
+    node, valid = write_accept_index(result, retrive_index, accept_index, accept_token_num)
     # predicts[slot of the node at depth d] = the token emitted after it; other slots kept
     slots = retrive_index.long().flatten()
     values = torch.cat([predicts.gather(0, slots).view(bs, nodes), predicts.new_zeros(bs, 1)], dim=1)

@@ -22,14 +22,15 @@ from pathlib import Path
 
 import spec_tree_kernels as stk
 from spec_plugins.tree_drafting import TreeShape
+from spec_tree_kernels.modes import TREE_ATTENTION_MODE_NAMES
 
 SPEC_TREE_KEY = "spec_tree"
 CLI_ALGORITHM = "EAGLE_TREE"
 # SGLang's defaults for Llama targets (speculative_hook.py): a (5, 4, 8) tree.
 DEFAULT_SHAPE = {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}
 MAX_SPEC_LEN = 128  # vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN: drafts per request per step
-DEFAULT_MASK_MODE = "ANCESTOR_BITMASK"
-ALLOWED_MASK_MODES = ("ANCESTOR_BITMASK", "PARENT_POINTER", "QLEN_ONLY")
+DEFAULT_MASK_MODE = TREE_ATTENTION_MODE_NAMES[0]  # ANCESTOR_BITMASK
+ALLOWED_MASK_MODES = TREE_ATTENTION_MODE_NAMES  # what tree attention reads (spec_tree_kernels.modes.MODES)
 # Cache dtypes the tree rows can read: the model's own (checked against it in validate_vllm_config).
 UNQUANTIZED_KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 CPU_WORKER = "spec_plugins.vllm_ext.worker_cpu.TreeCPUWorker"
