@@ -230,32 +230,24 @@ def activated(runtime: TreeRuntime):
 # -------------------------------------------------------------- the hooks
 
 
-def _organize_hook(original, score_list, token_list, parents_list, num_draft_token):
-    rt = _ACTIVE
-    if rt is None:
-        return original(score_list, token_list, parents_list, num_draft_token)
-    return layout.organize_draft_results_closed(score_list, token_list, parents_list, num_draft_token, impl=rt.impl)
+def _drop_in_hook(ours):
+    """An AROUND hook running ``ours`` (SGLang's arguments plus the active
+    runtime's ``impl``) while EAGLE_TREE is active, else SGLang's original."""
+
+    def hook(original, *args, **kwargs):
+        rt = _ACTIVE
+        if rt is None:
+            return original(*args, **kwargs)
+        return ours(*args, **kwargs, impl=rt.impl)
+
+    hook.__name__ = f"hook_{ours.__name__}"
+    return hook
 
 
-def _build_hook(original, *args, **kwargs):
-    rt = _ACTIVE
-    if rt is None:
-        return original(*args, **kwargs)
-    return layout.build_tree_sglang_layout(*args, **kwargs, impl=rt.impl)
-
-
-def _verify_hook(original, *args, **kwargs):
-    rt = _ACTIVE
-    if rt is None:
-        return original(*args, **kwargs)
-    return layout.verify_tree_greedy_sglang_layout(*args, **kwargs, impl=rt.impl)
-
-
-def _sample_hook(original, *args, **kwargs):
-    rt = _ACTIVE
-    if rt is None:
-        return original(*args, **kwargs)
-    return layout.verify_tree_sampling_sglang_layout(*args, **kwargs, impl=rt.impl)
+_organize_hook = _drop_in_hook(layout.organize_draft_results_closed)
+_build_hook = _drop_in_hook(layout.build_tree_sglang_layout)
+_verify_hook = _drop_in_hook(layout.verify_tree_greedy_sglang_layout)
+_sample_hook = _drop_in_hook(layout.verify_tree_sampling_sglang_layout)
 
 
 def _sample_context_hook(original, *args, **kwargs):
