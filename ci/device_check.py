@@ -938,25 +938,10 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    sys.path[:0] = [str(ROOT), str(CI)]
+def record_environment(report: Report, reduced: bool, budget: Budget) -> dict:
+    """Python, torch, Triton, device and tools into the report's ``env``."""
     import torch
 
-    reduced = args.reduced or not torch.cuda.is_available()
-    if reduced:
-        # before anything defines a @triton.jit function (spec_tree_kernels imports tree_attention)
-        os.environ["TRITON_INTERPRET"] = "1"
-    if args.sanitizer_child:
-        return sanitizer_child(args)
-    report = Report(Path(args.out))
-    budget = Budget(args.budget or (110.0 if reduced else 450.0))
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    K = import_kernels()
-    from spec_plugins.synthetic_trees import draft_pool
-
-    device = torch.device("cpu" if reduced else "cuda")
-    cases = Cases(K, device, draft_pool)
     env = report.data.setdefault("env", {})
     env.update(
         mode="reduced" if reduced else "full",
@@ -977,31 +962,88 @@ def main(argv=None) -> int:
         env["triton"] = f"unavailable: {exc}"
     report.log("device_check:", json.dumps(env))
     report.save()
+    return env
 
-    # The CUDA kernels build (a minute of nvcc + c++) while the Triton checks run.
+
+def start_cuda_build(env: dict):
+    """Build the CUDA kernels in a thread (a minute of nvcc + c++) while the
+    Triton checks run. Returns (thread, state dict it fills)."""
+    from spec_tree_kernels import cuda_ops
+
+    env["nvcc"] = cuda_ops.find_nvcc()
     build_state: dict = {}
-    build_thread = None
-    if not reduced:
-        from spec_tree_kernels import cuda_ops
 
-        env["nvcc"] = cuda_ops.find_nvcc()
+    def build():
+        t0 = time.time()
+        build_state["available"] = cuda_ops.available()
+        build_state["seconds"] = round(time.time() - t0, 1)
 
-        def build():
-            t0 = time.time()
-            build_state["available"] = cuda_ops.available()
-            build_state["seconds"] = round(time.time() - t0, 1)
+    build_thread = threading.Thread(target=build, daemon=True)
+    build_thread.start()
+    return build_thread, build_state
 
-        build_thread = threading.Thread(target=build, daemon=True)
-        build_thread.start()
 
-    sgl = None
+def finish_cuda_build(env: dict, report: Report, budget: Budget, build_thread, build_state: dict) -> bool:
+    """Wait for the build (leaving the budget's last 200 s); record it; True when the kernels load."""
+    build_thread.join(timeout=max(1.0, budget.left() - 200))
+    from spec_tree_kernels import cuda_ops
+
+    env["cuda_kernels"] = dict(
+        available=build_state.get("available", False),
+        build_seconds=build_state.get("seconds", "still building"),
+        backend=cuda_ops.backend_name(),
+        error=cuda_ops.load_error(),
+    )
+    report.log("cuda kernels:", env["cuda_kernels"])
+    report.save()
+    return bool(build_state.get("available"))
+
+
+def load_sglang_kernels(report: Report):
+    """(SGLang's spec-tree kernels, their loader module), or None (why: in the report)."""
     try:
         import sglang_spec_tree
 
         if sglang_spec_tree.available():
-            sgl = (sglang_spec_tree.load(), sglang_spec_tree)
+            return (sglang_spec_tree.load(), sglang_spec_tree)
     except Exception as exc:
         report.data["sglang_load_error"] = f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def write_summary(report: Report, failed: int) -> None:
+    report.data["summary"] = dict(
+        correctness_failed=failed,
+        sanitizer_clean={k: v.get("clean") for k, v in report.data.get("sanitizer", {}).items() if isinstance(v, dict)},
+        headline=(report.data.get("headline", {}).get("graph_us") or {}).get("ratio_sglang_over_ours"),
+        attention_targets=report.data.get("tree_attention", {}).get("targets"),
+    )
+    report.log("summary:", json.dumps(report.data["summary"]))
+    report.save()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path[:0] = [str(ROOT), str(CI)]
+    import torch
+
+    reduced = args.reduced or not torch.cuda.is_available()
+    if reduced:
+        # before anything defines a @triton.jit function (spec_tree_kernels imports tree_attention)
+        os.environ["TRITON_INTERPRET"] = "1"
+    if args.sanitizer_child:
+        return sanitizer_child(args)
+    report = Report(Path(args.out))
+    budget = Budget(args.budget or (110.0 if reduced else 450.0))
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    K = import_kernels()
+    from spec_plugins.synthetic_trees import draft_pool
+
+    device = torch.device("cpu" if reduced else "cuda")
+    cases = Cases(K, device, draft_pool)
+    env = record_environment(report, reduced, budget)
+    build_thread, build_state = start_cuda_build(env) if not reduced else (None, {})
+    sgl = load_sglang_kernels(report)
 
     failed = 0
     if "correctness" not in skip:
@@ -1015,25 +1057,13 @@ def main(argv=None) -> int:
         failed += report.data.get("sglang_crosscheck", {}).get("failed", 0)
 
     impls = ["torch", "triton"]
-    if build_thread is not None:
-        build_thread.join(timeout=max(1.0, budget.left() - 200))
-        from spec_tree_kernels import cuda_ops
-
-        env["cuda_kernels"] = dict(
-            available=build_state.get("available", False),
-            build_seconds=build_state.get("seconds", "still building"),
-            backend=cuda_ops.backend_name(),
-            error=cuda_ops.load_error(),
-        )
-        report.log("cuda kernels:", env["cuda_kernels"])
-        report.save()
-        if build_state.get("available"):
-            impls.append("cuda")
-            if "correctness" not in skip:
-                report.log("correctness: cuda vs torch")
-                tally = guarded(report, "correctness_cuda", run_correctness, K, cases, ["cuda"], reduced, report, budget, "cuda",
-                                min_left=200)  # fmt: skip
-                failed += tally.failed() if tally else 1
+    if build_thread is not None and finish_cuda_build(env, report, budget, build_thread, build_state):
+        impls.append("cuda")
+        if "correctness" not in skip:
+            report.log("correctness: cuda vs torch")
+            tally = guarded(report, "correctness_cuda", run_correctness, K, cases, ["cuda"], reduced, report, budget, "cuda",
+                            min_left=200)  # fmt: skip
+            failed += tally.failed() if tally else 1
 
     if "sanitizer" not in skip and not reduced:
         report.log("compute-sanitizer")
@@ -1049,16 +1079,8 @@ def main(argv=None) -> int:
         attention_failed = guarded(report, "attention", run_tree_attention, K, reduced, report, budget)
         failed += 1 if attention_failed is None else attention_failed
 
-    report.data["summary"] = dict(
-        correctness_failed=failed,
-        sanitizer_clean={k: v.get("clean") for k, v in report.data.get("sanitizer", {}).items() if isinstance(v, dict)},
-        headline=(report.data.get("headline", {}).get("graph_us") or {}).get("ratio_sglang_over_ours"),
-        attention_targets=report.data.get("tree_attention", {}).get("targets"),
-    )
-    report.log("summary:", json.dumps(report.data["summary"]))
-    report.save()
+    write_summary(report, failed)
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -160,18 +160,30 @@ def verify_attention_backend(view) -> str | None:
 def resolve_eagle_tree(server_args) -> None:
     """EAGLE family defaults and validation plus ours; raises ValueError with
     the offending flag on a configuration that cannot serve."""
-    from sglang.srt.arg_groups.model_override_base import attention_backends_of
     from sglang.srt.arg_groups.overrides import resolved_view, resolving_view
     from sglang.srt.arg_groups.speculative_hook import _handle_eagle_family
 
-    cfg = resolving_view(server_args)
-    check_flags_before_eagle_family(cfg)
+    check_flags_before_eagle_family(resolving_view(server_args))
     mask_mode_request = requested_mask_mode()  # an unknown mode fails before SGLang's own checks
 
     _handle_eagle_family(server_args)
 
     view = resolved_view(server_args)
     variant = requested_variant() or detect_head_variant(view)
+    backend = checked_verify_backend(view)
+    mode = resolve_mask_mode(mask_mode_request, backend)
+    validate_tree(view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens, mode)
+    if backend in OUR_BACKENDS:
+        check_our_backend_flags(view, backend)
+        declare_our_backend_settings(server_args, view, backend)
+    log_resolved_tree(view, variant, mode, backend)
+
+
+def checked_verify_backend(view) -> str | None:
+    """The verify attention backend, refusing ours on one phase only and a
+    tree on ``torch_native``."""
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of
+
     prefill, decode = attention_backends_of(view)
     if (prefill in OUR_BACKENDS) != (decode in OUR_BACKENDS):
         raise ValueError(
@@ -185,11 +197,10 @@ def resolve_eagle_tree(server_args) -> None:
             f"{ALGORITHM_NAME}: attention backend 'torch_native' has no tree-verify support (it runs verify "
             f"causally and ignores the tree mask); use --attention-backend spec_tree"
         )
-    mode = resolve_mask_mode(mask_mode_request, backend)
-    validate_tree(view.speculative_num_steps, topk, view.speculative_num_draft_tokens, mode)
-    if backend in OUR_BACKENDS:
-        check_our_backend_flags(view, backend)
-        declare_our_backend_settings(server_args, view, backend)
+    return backend
+
+
+def log_resolved_tree(view, variant: str, mode, backend) -> None:
     nodes = view.speculative_num_draft_tokens
     logger.info(
         "%s: %s head, steps=%d topk=%d draft tokens=%d, tree mask %s (%d bytes per request at 4k context), "
@@ -197,7 +208,7 @@ def resolve_eagle_tree(server_args) -> None:
         ALGORITHM_NAME,
         variant,
         view.speculative_num_steps,
-        topk,
+        view.speculative_eagle_topk,
         nodes,
         mode.name,
         stk.mask_bytes_per_request(mode, nodes, 4096),
