@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from spec_plugins.cli import parse_shape
+from spec_plugins.cli_types import parse_shape
 
 CHAINS = [(3, 1, 4), (5, 1, 6), (7, 1, 8)]
 TREES = [(5, 4, 8), (5, 4, 16), (6, 8, 32), (8, 8, 64)]
@@ -270,7 +270,7 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench_out/acceptance"))
     ap.add_argument("--heads", nargs="+", default=["eagle3", "eagle1"])
@@ -291,6 +291,11 @@ def main(argv=None) -> int:
                     help="write the measured tau into the shipped heads' README.md")
     ap.add_argument("--merge", nargs="+", type=Path, default=None,
                     help="combine the results.json of these output folders into --out instead of running")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if any(t < 0 for t in args.temperatures) or len(set(args.temperatures)) != len(args.temperatures):
         ap.error("--temperatures must be distinct and >= 0")

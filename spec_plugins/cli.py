@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from spec_plugins.cli_types import parse_shape
+
 DEFAULT_SHAPES = ["3,1,4", "5,1,6", "5,4,8", "6,8,32"]
 CHECK_SHAPES = ["3,1,4", "5,4,8"]
 
@@ -27,16 +29,6 @@ class CheckFailed(Exception):
 
 
 # ------------------------------------------------------------------- helpers
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    try:
-        shape = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3:
-        raise argparse.ArgumentTypeError(f"shape {text!r} must be num_steps,topk,num_draft_tokens (e.g. 5,4,8)")
-    return shape
 
 
 def resolve_heads(names: list[str]) -> list[tuple[str, str]]:
