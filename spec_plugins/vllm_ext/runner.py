@@ -508,25 +508,24 @@ class TreeRunnerMixin:
         t0 = time.perf_counter()
         step = self._drafting_step(scheduler_output.total_num_scheduled_tokens)
         shape = self._choose_shape(len(step.drafting))
-        if shape is None and self._step_pure_decode:
-            # The budget runs a plain decode step next: skip the head entirely. The head KV of
-            # this step's positions stays unwritten; drafts after speculation resumes attend to
-            # those slots' stale contents, which can only lower acceptance (verification decides
-            # every token). Prefill rows always extend: a prompt's head KV is never skipped.
-            self._commit_verified_trees()
-            t1 = t2 = t3 = time.perf_counter()
-            drafts = self._draft_trees(step, None, None, None)
-        else:
+        # A plain decode step chosen by the budget skips the head: the head KV of this step's
+        # positions stays unwritten, and drafts after speculation resumes attend to those slots'
+        # stale contents, which can only lower acceptance (verification decides every token).
+        # Prefill rows always run the head: a prompt's head KV is never skipped.
+        run_head = shape is not None or not self._step_pure_decode
+        if run_head:
             input_ids = self._extend_input_ids(step, sampled_token_ids)
             features = self.tree_drafter.features(hidden_states[: step.num_rows],
                                                   [h[: step.num_rows] for h in aux_hidden_states or []])
-            t1 = time.perf_counter()
+        t1 = time.perf_counter()
+        last_hidden = next_hidden = None
+        if run_head:
             last_hidden, next_hidden = self.tree_drafter.extend(common_attn_metadata, input_ids,
                                                                 self.positions[: step.num_rows], features)
-            t2 = time.perf_counter()
-            self._commit_verified_trees()
-            t3 = time.perf_counter()
-            drafts = self._draft_trees(step, last_hidden, next_hidden, shape)
+        t2 = time.perf_counter()
+        self._commit_verified_trees()
+        t3 = time.perf_counter()
+        drafts = self._draft_trees(step, last_hidden, next_hidden, shape)
         t4 = time.perf_counter()
         self._tree_draft_seconds = t4 - t3
         if self.budget is not None and len(step.drafting):

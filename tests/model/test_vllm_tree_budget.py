@@ -10,6 +10,7 @@ The runner's counters show which entries ran.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 
 import pytest
@@ -83,9 +84,9 @@ def _alternate_none_and_trees(worker):
     """Test-only rig: the policy's choice replaced by a fixed cycle of three plain
     decode steps (the head skipped, its KV left unwritten) and two tree steps,
     so speculation resumes over holes again and again. Startup profile kept."""
-    cycle = [None, None, None, worker.model_runner.budget.menu[-1], worker.model_runner.budget.menu[-1]]
-    steps = iter(range(10 ** 9))
-    worker.model_runner.budget.step = lambda batch_size: cycle[next(steps) % len(cycle)]
+    tree = worker.model_runner.budget.menu[-1]
+    choices = itertools.cycle([None, None, None, tree, tree])
+    worker.model_runner.budget.step = lambda batch_size: next(choices)
 
 
 def test_speculation_resumes_after_plain_decode_steps_without_head_kv(prompts, plain):
