@@ -71,6 +71,18 @@ From what: acceptance (``AcceptanceStats``)
     that deep. A shape nobody has run therefore starts from what the others
     measured.
 
+    Paired chain evidence: a verified greedy tree also tells what a chain of
+    the same head would have accepted (its top-1 path; the runner computes it
+    with ``tree_drafting.chain_counterfactual``). Those lengths count for the
+    chains, so their estimate stays current while a tree runs, and are kept
+    as the tree's *paired* counts. A tree's tau is then scaled by how much the
+    chains' expected extra tokens moved since:
+    tau = 1 + (tau_tree - 1) * E_chain(now) / E_chain(paired). Acceptance
+    varies a lot from one prompt to the next; without the pairing, a tree
+    measured on an easy prompt kept beating a chain measured on a hard one
+    (vLLM, batch 1: the tree ran a third of the steps while the chain of 3
+    measured 25 % faster).
+
 How it adapts
     * Forgetting: each record multiplies every shape's counts by ``age``
       (0.997 per step, any entry run, ``None`` included) and the shape that ran
@@ -95,12 +107,20 @@ How it adapts
       saturates near 1 / (1 - decay) = 100 requests per batch slot, where the
       bonus would stay at 0.05 D forever, favouring deep shapes (D = 5: +0.25
       tau, about 15 %) beyond the hysteresis; measured in vLLM at batch 1,
-      trees ran where the chain of 3 was 10 % faster. Then, on every
+      trees ran where the chain of 3 was 10 % faster. Chains share their counts,
+      so every chain gets the bonus of the shortest chain's depth (with D
+      each, the chain of 5 won most explorations on depth alone). A tree
+      whose chain-paired requests (see "Paired chain evidence") reach
+      ``explore_until`` gets no bonus, even after its decayed counts fade:
+      what is left to learn about it is its gain over the chains, and the
+      chains' counts follow the text. Then, on every
       ``explore_every``-th step (16), an entry not run for ``stale_after``
       (256) steps whose expected rate is within ``explore_floor`` (0.8) of
       the best runs once (``None`` included: its t_V refreshes).
     Simulated (tests/test_budget_policy.py, CPU-like costs, 500 steps): >=
-    0.95x the best fixed shape at B = 1, 4, 8 and 16 over 32 seeds.
+    0.95x the best fixed shape at B = 1, 4, 8 and 16 over 32 seeds; at B = 1
+    over prompts whose acceptance differs by up to 6x, >= 0.96x over 16 seeds
+    with paired chain evidence (0.88x without).
 
 What it costs
     Plain Python, no torch/numpy, no per-request Python loop (accepted lengths
@@ -526,6 +546,14 @@ class AcceptanceStats:
             return b.topk <= a.topk and b.num_steps <= a.num_steps and b.num_draft_tokens <= a.num_draft_tokens
 
         self._contained = [[j for j in self._others[i] if contains(i, j)] for i in range(n)]
+        # Paired counts: what the chains would have accepted on each tree's own steps
+        # (``chain_counterfactual``), decayed like that tree's counts (trees only, when
+        # the menu has a chain).
+        self._chain_g = keys.index("chain") if "chain" in keys else None
+        Dc = self._gD[self._chain_g] if self._chain_g is not None else 0
+        self._pair_att = [[0.0] * Dc if keys[i] != "chain" else [] for i in range(n)]
+        self._pair_acc = [[0.0] * Dc if keys[i] != "chain" else [] for i in range(n)]
+        self._paired_seen = [0] * n  # tree steps' requests ever paired with chain evidence (never decayed)
         self._index = {s: i for i, s in enumerate(self.shapes)}
         self._rates: Optional[list[list[float]]] = None
         self._snap: Optional[tuple[list[float], list[float]]] = None
@@ -536,7 +564,8 @@ class AcceptanceStats:
             raise ValueError(f"shape {shape_label(shape)} is not in the menu {[shape_label(s) for s in self.shapes]}")
         return g
 
-    def record(self, shape: Shape, accepted_lengths: Iterable[int] = ()) -> None:
+    def record(self, shape: Shape, accepted_lengths: Iterable[int] = (), chain_lengths: Iterable[int] = (),
+               chain_censored: Iterable[bool] = ()) -> None:
         """One engine step: check for a change, age every count, decay the
         running shape's, then count this step's requests.
 
@@ -544,41 +573,90 @@ class AcceptanceStats:
         min(num_steps, T - 1)); a list, or a CPU tensor/array (``.tolist()``).
         For ``shape=None`` only the ageing. Bad lengths raise ValueError and
         change nothing.
+
+        chain_lengths / chain_censored (tree steps only, optional): for each
+        greedy request of the tree, how many tokens a chain drafted by the same
+        head would have accepted (its top-1 path; ``chain_counterfactual``), and
+        whether that is only a lower bound (the chain's next token was not in
+        the tree). They count as a step of the chains, and as the tree's paired
+        chain evidence: when the chains run later on easier or harder text, the
+        tree's tau is scaled by how the chains' acceptance moved since (see
+        ``snapshot``), so a tree measured on other text is not compared as if
+        it were measured on this text.
         """
-        hist: dict[int, int] = {}
-        if shape is not None:
-            g, D = self._gi(shape), _depth(shape)
-            if hasattr(accepted_lengths, "tolist"):
-                accepted_lengths = accepted_lengths.tolist()
-            for L, n in Counter(accepted_lengths).items():
-                try:
-                    Li = -1 if isinstance(L, bool) else operator.index(L)
-                except TypeError:
-                    Li = -1
-                if not 0 <= Li <= D:
-                    raise ValueError(f"accepted length {L!r} outside 0..{D} for shape {shape_label(shape)}")
-                hist[Li] = hist.get(Li, 0) + n
+        hist = self._histogram(shape, accepted_lengths, "accepted length")
+        chain = self._chain_histograms(shape, chain_lengths, chain_censored)
+        g = None if shape is None else self._gi(shape)
         if hist and self.change_threshold > 0 and self._att[g][0] >= 2 * self.min_evidence:
             self._detect_change(shape, hist)
         if self.age != 1.0:
-            k = self.age
-            for row in self._att:
-                row[:] = [v * k for v in row]
-            for row in self._acc:
-                row[:] = [v * k for v in row]
+            for rows in (self._att, self._acc, self._pair_att, self._pair_acc):
+                _scale(rows, self.age)
         self._rates = self._snap = None
         if not hist:
             return
-        att, acc = self._att[g], self._acc[g]
-        if self.decay != 1.0:
-            k = self.decay
-            att[:] = [v * k for v in att]
-            acc[:] = [v * k for v in acc]
-        ge = sum(hist.values())  # requests with length >= d - 1, for d = 1
-        for d in range(1, D + 1):
-            att[d - 1] += ge
-            ge -= hist.get(d - 1, 0)
-            acc[d - 1] += ge
+        self._add(self._att[g], self._acc[g], hist, {}, _depth(shape), self.decay)
+        if chain is not None:
+            definite, censored = chain
+            c = self._chain_g
+            self._add(self._att[c], self._acc[c], definite, censored, self._gD[c], self.decay)
+            self._add(self._pair_att[g], self._pair_acc[g], definite, censored, self._gD[c], self.decay)
+            self._paired_seen[g] += sum(definite.values()) + sum(censored.values())
+
+    def _histogram(self, shape: Shape, lengths, what: str) -> dict[int, int]:
+        """{length: requests}, every length checked to lie in 0..depth(shape)."""
+        hist: dict[int, int] = {}
+        if shape is None:
+            return hist
+        self._gi(shape)
+        D = _depth(shape)
+        if hasattr(lengths, "tolist"):
+            lengths = lengths.tolist()
+        for L, n in Counter(lengths).items():
+            try:
+                Li = -1 if isinstance(L, bool) else operator.index(L)
+            except TypeError:
+                Li = -1
+            if not 0 <= Li <= D:
+                raise ValueError(f"{what} {L!r} outside 0..{D} for shape {shape_label(shape)}")
+            hist[Li] = hist.get(Li, 0) + n
+        return hist
+
+    def _chain_histograms(self, shape: Shape, lengths, censored) -> Optional[tuple[dict, dict]]:
+        """(definite, censored) histograms of a tree step's counterfactual chain lengths, or None."""
+        if hasattr(lengths, "tolist"):
+            lengths = lengths.tolist()
+        if hasattr(censored, "tolist"):
+            censored = censored.tolist()
+        lengths, censored = list(lengths), list(censored)
+        if not lengths:
+            return None
+        if shape is None or shape.topk == 1:
+            raise ValueError(f"chain_lengths given for {shape_label(shape)}: only tree steps have them")
+        if censored and len(censored) != len(lengths):
+            raise ValueError(f"chain_censored has {len(censored)} entries for {len(lengths)} chain_lengths")
+        if self._chain_g is None:
+            return None
+        censored = censored or [False] * len(lengths)
+        definite = self._histogram(shape, [L for L, c in zip(lengths, censored) if not c], "chain length")
+        cut = self._histogram(shape, [L for L, c in zip(lengths, censored) if c], "chain length")
+        return definite, cut
+
+    @staticmethod
+    def _add(att: list, acc: list, definite: dict, censored: dict, D: int, decay: float) -> None:
+        """Decay one count row, then add requests by accepted length (depths
+        beyond D ignored): depth d was attempted by those that reached d - 1,
+        accepted by those that reached d. A censored length L reached L and
+        says nothing about depth L + 1."""
+        if decay != 1.0:
+            att[:] = [v * decay for v in att]
+            acc[:] = [v * decay for v in acc]
+        for hist, cut in ((definite, 0), (censored, 1)):
+            for L, n in hist.items():
+                for d in range(min(L + 1 - cut, D)):
+                    att[d] += n
+                for d in range(min(L, D)):
+                    acc[d] += n
 
     def _detect_change(self, shape: TreeShape, hist: dict[int, int]) -> None:
         """Two-sided CUSUM of this step's accepted lengths against the shape's
@@ -595,14 +673,15 @@ class AcceptanceStats:
         up = max(0.0, self._cusum[0] + z - self.change_slack)
         down = max(0.0, self._cusum[1] - z - self.change_slack)
         if up > self.change_threshold or down > self.change_threshold:
-            k = self.change_discount
-            for row in self._att:
-                row[:] = [v * k for v in row]
-            for row in self._acc:
-                row[:] = [v * k for v in row]
+            for rows in (self._att, self._acc, self._pair_att, self._pair_acc):
+                _scale(rows, self.change_discount)
             self.changes += 1
             up = down = 0.0
         self._cusum = [up, down]
+
+    def paired(self, shape: Shape) -> int:
+        """Requests of this tree ever paired with chain evidence (never decayed; 0 for chains and None)."""
+        return 0 if shape is None else self._paired_seen[self._gi(shape)]
 
     def evidence(self, shape: Shape) -> float:
         """Decayed number of requests observed with this shape (depth-1
@@ -656,13 +735,26 @@ class AcceptanceStats:
                 self._refresh()
             taus = []
             for s in self.shapes:
-                tau = prod = 1.0
-                for r in self._rates[self._group[s]][: _depth(s)]:
-                    prod *= r
-                    tau += prod
-                taus.append(tau)
+                g, D = self._group[s], _depth(s)
+                excess = _excess(self._rates[g][:D])
+                taus.append(1.0 + excess * self._chain_drift(g, D))
             self._snap = (taus, [self._att[self._group[s]][0] for s in self.shapes])
         return self._snap
+
+    def _chain_drift(self, g: int, D: int) -> float:
+        """How much more (> 1) or less the chains accept now than on tree group
+        g's own steps: the ratio of their expected extra tokens (depths 1..D),
+        now over paired. The paired rates shrink towards the current ones with
+        the prior weight, so little paired evidence means a ratio near 1."""
+        c = self._chain_g
+        if c is None or g == c:
+            return 1.0
+        D = min(D, self._gD[c])
+        now = self._rates[c][:D]
+        W, att, acc = self.prior_weight, self._pair_att[g], self._pair_acc[g]
+        paired = [(acc[d] + W * now[d]) / (att[d] + W) if att[d] + W > 0 else now[d] for d in range(D)]
+        then = _excess(paired)
+        return _excess(now) / then if then > 1e-9 else 1.0
 
     def tau(self, shape: Shape) -> float:
         """Expected tokens emitted per request per step (1 for no speculation)."""
@@ -670,6 +762,20 @@ class AcceptanceStats:
             return 1.0
         self._gi(shape)
         return self.snapshot()[0][self._index[shape]]
+
+
+def _scale(rows: list, k: float) -> None:
+    for row in rows:
+        row[:] = [v * k for v in row]
+
+
+def _excess(rates: Sequence[float]) -> float:
+    """Expected accepted draft tokens given per-depth conditional rates: sum_d r_1 * ... * r_d."""
+    total, p = 0.0, 1.0
+    for r in rates:
+        p *= r
+        total += p
+    return total
 
 
 # -------------------------------------------------------------------- choice
@@ -745,6 +851,11 @@ class BudgetPolicy:
         self._index = {s: i for i, s in enumerate(self.menu)}
         self._entries = [(s, verify_tokens(s), 0 if s is None else _depth(s),
                           None if s is None else self.acceptance.shapes.index(s)) for s in self.menu]
+        # Chains share their counts, so their optimism is the same: that of the shortest
+        # chain's depth (else the deepest chain wins every exploration on depth alone).
+        shortest_chain = min((_depth(s) for s in self.menu if s is not None and s.topk == 1), default=0)
+        self._lift_depth = {j: (min(D, shortest_chain) if s.topk == 1 else D)
+                            for s, T, D, j in self._entries if s is not None}
         self._t = 0
         self._incumbent: Optional[int] = None
         self._last_run = [0] * len(self.menu)
@@ -777,7 +888,8 @@ class BudgetPolicy:
             r = B * tau / (costs.verify_time(T, B) + costs.draft_time(s, B))
             rates.append(r)
             n = evidence[j]
-            lift = bonus * D / math.sqrt(1.0 + n) if n < self.explore_until else 0.0
+            measured = max(n, self.acceptance.paired(s))
+            lift = bonus * self._lift_depth[j] / math.sqrt(1.0 + n) if measured < self.explore_until else 0.0
             optimistic.append(r * min(1.0 + D, tau + lift) / tau)
         return rates, optimistic
 
@@ -809,20 +921,24 @@ class BudgetPolicy:
         self._counts[choice] += 1
         return self.menu[choice]
 
-    def record(self, shape: Shape, batch_size: int, verify_seconds: float, draft_seconds: float = 0.0,
-               accepted_lengths: Iterable[int] = ()) -> None:
+    def record(self, shape: Shape, batch_size: int, verify_seconds: float, draft_seconds: Optional[float] = 0.0,
+               accepted_lengths: Iterable[int] = (), chain_lengths: Iterable[int] = (),
+               chain_censored: Iterable[bool] = ()) -> None:
         """What the step that ran ``shape`` measured: its verify (forward +
-        sampling) and draft times for ``batch_size`` requests, and each
-        speculating request's accepted draft tokens. Call once per step.
-        Invalid input raises ValueError before anything is recorded."""
+        sampling) and draft times for ``batch_size`` requests (draft_seconds
+        None: not a clean sample, the draft cost is not updated), each
+        speculating request's accepted draft tokens, and on tree steps what a
+        chain would have accepted (``AcceptanceStats.record``). Call once per
+        step. Invalid input raises ValueError before anything is recorded."""
         if shape not in self._index:
             raise ValueError(f"shape {shape_label(shape)} is not in the menu")
         batch_size = _check_key("batch_size", batch_size)
         verify_seconds = _check_seconds("verify_seconds", verify_seconds)
-        draft_seconds = _check_seconds("draft_seconds", draft_seconds, allow_zero=True)
-        self.acceptance.record(shape, accepted_lengths)
+        if draft_seconds is not None:
+            draft_seconds = _check_seconds("draft_seconds", draft_seconds, allow_zero=True)
+        self.acceptance.record(shape, accepted_lengths, chain_lengths, chain_censored)
         self.costs.observe_verify(verify_tokens(shape), batch_size, verify_seconds)
-        if shape is not None:
+        if shape is not None and draft_seconds is not None:
             self.costs.observe_draft(shape, batch_size, draft_seconds)
 
     def counters(self) -> dict[str, int]:

@@ -40,10 +40,15 @@ class TreeShape:
 class DraftTrees:
     """R requests' trees. tokens [R, T-1] int64: target ids of nodes 1..T-1 in
     BFS order (parents before children); parents [R, T] int64 node-local
-    parent of each node, -1 for the root (node 0)."""
+    parent of each node, -1 for the root (node 0); top1 [R, T] bool: the node
+    is its parent's most likely child (the root: True). The top1 nodes from
+    the root down are what a chain drafted from the same head would have
+    drafted, so a verified tree also tells what a chain would have accepted
+    (``spec_plugins.budget.chain_counterfactual``)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
+    top1: torch.Tensor
 
 
 # step(level, tokens [R, K], hidden [R, K, H], ancestors [R, K, (level-1)*K] bool)
@@ -110,7 +115,9 @@ def select_trees(scores: torch.Tensor, pool_tokens: torch.Tensor, parent_list: t
     selected = stk.select_tree_nodes(scores, parent_list, shape.topk, shape.num_steps, shape.num_draft_tokens,
                                      validate=False, impl=impl)
     parents = stk.node_parents(selected, parent_list, shape.topk)
-    return DraftTrees(tokens=pool_tokens.gather(1, selected), parents=parents)
+    # pool index = K * (survivor group) + rank among its siblings (level 1: the rank itself)
+    top1 = torch.cat([torch.ones_like(selected[:, :1], dtype=torch.bool), selected % shape.topk == 0], 1)
+    return DraftTrees(tokens=pool_tokens.gather(1, selected), parents=parents, top1=top1)
 
 
 def _noop_timer(key: str, dt: float) -> None:
@@ -156,3 +163,25 @@ def draft_pool(head, last_logits, last_hidden, past_k, past_v, kv_len: int, num_
     scores, tokens, parent_list = expand_pool(last_logits[None], last_hidden[None], head.draft_to_target(),
                                               num_steps, topk, step)
     return scores[0], tokens[0], parent_list[0]
+
+
+def chain_counterfactual(parents: torch.Tensor, top1: torch.Tensor, paths: torch.Tensor,
+                         lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a chain drafted by the same head would have accepted, from verified
+    greedy trees (host tensors, n trees of T nodes).
+
+    parents [n, T] int64 and top1 [n, T] bool: the trees (``DraftTrees``);
+    paths [n, W] int64: each tree's accepted nodes from the root (node 0),
+    -1 after the end; lengths [n] int64: accepted draft tokens (path nodes - 1).
+    The chain drafts the top-1 child at every depth, so it accepts exactly the
+    leading accepted nodes that are top-1 children. When every accepted node
+    is, the chain's next token is the top-1 child of the last one: rejected if
+    the tree holds it (the target picked none of its children), unknown if the
+    tree pruned it. Returns (chain_lengths [n] int64, censored [n] bool: the
+    length is only a lower bound).
+    """
+    on_top1 = top1.gather(1, paths.clamp(min=0)) & (paths >= 0)
+    chain = on_top1[:, 1:].to(torch.int64).cumprod(1).sum(1)
+    last = paths.gather(1, lengths[:, None])
+    holds_next = ((parents == last) & top1).any(1)
+    return chain, (chain == lengths) & ~holds_next

@@ -83,3 +83,51 @@ def test_attention_plan_equals_reference(mode):
     plan = TreeAttentionPlan.create(block_table, ctx, tree.tree_mask, mode, T, bs, max_context_len=30)
     assert plan.blocks.shape == (B, 5)  # ceil((30 + 5) / 8): only the blocks the longest request uses
     torch.testing.assert_close(plan.run(q, k_cache, v_cache, D ** -0.5), want, rtol=1e-5, atol=1e-5)
+
+
+def test_top1_path_is_what_a_chain_drafts():
+    """The top1 flags mark, from the root down, exactly the tokens a chain drafted
+    by the same head would draft (each node has at most one top1 child)."""
+    S, K, T = 5, 4, 10
+    R, V, H = 6, 40, 6
+    gen = torch.Generator().manual_seed(3)
+    first_logits, first_hidden = torch.randn(R, V, generator=gen), torch.randn(R, H, generator=gen)
+    step = _random_step(V, H, 5)
+    chain = select_trees(*expand_pool(first_logits, first_hidden, None, S, 1, step), TreeShape(S, 1, S + 1))
+    tree = select_trees(*expand_pool(first_logits, first_hidden, None, S, K, step), TreeShape(S, K, T))
+    assert tree.top1.shape == (R, T) and tree.top1[:, 0].all() and chain.top1.all()
+    walked = 0
+    for r in range(R):
+        node, depth = 0, 0
+        while True:
+            kids = [j for j in range(1, T) if tree.parents[r, j] == node and tree.top1[r, j]]
+            assert len(kids) <= 1
+            if not kids:
+                break
+            node = kids[0]
+            assert tree.tokens[r, node - 1] == chain.tokens[r, depth], (r, depth)
+            depth += 1
+        walked += depth
+    assert walked >= R  # the top-1 path is in the tree, at least at depth 1
+
+
+def test_chain_counterfactual():
+    from spec_plugins.tree_drafting import chain_counterfactual
+
+    # node:       0   1  2  3  4  5
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 3]] * 4)
+    top1 = torch.tensor([[True, True, False, True, False, True]] * 4)  # top-1 path 0-1-3-5
+    top1[3, 5] = False  # request 3: node 3's top-1 child was pruned (5 is its second child)
+    paths = torch.tensor([[0, 1, 3, 5], [0, 1, 4, -1], [0, 2, -1, -1], [0, 1, 3, -1]])
+    lengths = torch.tensor([3, 2, 1, 2])
+    chain, censored = chain_counterfactual(parents, top1, paths, lengths)
+    # 0: the whole path is top-1, node 5 has no children: chain accepted 3, its next token is unknown
+    # 1: 1 is top-1, 4 is not: the chain accepted 1 (definite)
+    # 2: 2 is not top-1: the chain accepted 0 (definite)
+    # 3: 0-1-3 top-1, path ends at 3 whose top-1 child is not in the tree: 2, censored
+    assert chain.tolist() == [3, 1, 0, 2] and censored.tolist() == [True, False, False, True]
+    lengths0 = torch.tensor([2, 2, 1, 2])  # request 0 stopping at node 3 (whose top-1 child 5 is held): definite
+    paths0 = paths.clone()
+    paths0[0, 3] = -1
+    chain, censored = chain_counterfactual(parents, top1, paths0, lengths0)
+    assert chain[0] == 2 and not censored[0]

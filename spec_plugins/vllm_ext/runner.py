@@ -45,6 +45,7 @@ import torch
 import spec_tree_kernels as stk
 
 from spec_plugins.budget import BudgetPolicy, shape_label
+from spec_plugins.tree_drafting import chain_counterfactual
 
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import settings_from_vllm_config
@@ -70,6 +71,8 @@ class TreeGroup:
     max_depth: int
     max_context: int  # host copy of the longest context
     tokens: list  # host copy of candidates
+    parents: list  # host copy: [B][T] node-local parent of each node
+    top1: list  # host copy: [B][T] the node is its parent's most likely child (DraftTrees.top1)
     all_chains: bool  # every tree of the group is a chain (causal: no tree mask needed)
     sampled: list = field(default_factory=list)  # indices (into rows) of requests that sample (temperature > 0)
     predict: torch.Tensor | None = None  # [B, T] int64 token after each node (the extend's input), after the walk
@@ -164,6 +167,8 @@ class TreeRunnerMixin:
         self._budget_current = None  # the same for the step being verified
         self._step_pure_decode = False  # every request of this step decodes (no prefill rows): its time is a cost sample
         self._tree_draft_seconds = 0.0  # tree expansion + selection of the last proposal (extend excluded)
+        self._extend_seconds = 0.0  # the head's extend in the last proposal (0 when skipped)
+        self._chain_counterfactual: tuple[list, list] = ([], [])  # this step's trees, for the budget
 
     # ------------------------------------------------------------------ setup
     def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,18 +276,19 @@ class TreeRunnerMixin:
             n = len(drafts)
             drafted = self._drafted.get(req_id)
             if drafted is not None and drafted[0][:n] == list(drafts):
-                parents = drafted[1][: n + 1]
+                parents, top1 = drafted[1][: n + 1], drafted[2][: n + 1]
             else:
                 parents = [-1] + list(range(n))  # not ours: a chain is a tree too, and verifies exactly
+                top1 = [True] * (n + 1)
                 self.tree_stats.chain_fallbacks += 1
             q0 = int(q_start_loc[row])
             root = int(self.input_batch.token_ids_cpu[row, int(self.input_batch.num_computed_tokens_cpu[row])])
             by_size.setdefault(n + 1, []).append(
-                (row, q0, int(self.input_batch.num_computed_tokens_cpu[row]), [root, *drafts], parents,
+                (row, q0, int(self.input_batch.num_computed_tokens_cpu[row]), [root, *drafts], parents, top1,
                  req_id in self.input_batch.random_reqs))
         groups = {}
         for T, items in by_size.items():
-            rows, q0s, ctxs, cands, parents, samples = (list(x) for x in zip(*items))
+            rows, q0s, ctxs, cands, parents, top1, samples = (list(x) for x in zip(*items))
             # Built on the host (a few hundred bytes) and copied once: no device syncs per step.
             ctx_t = torch.tensor(ctxs, dtype=torch.int64)
             build = stk.tree_from_parents(torch.tensor(parents, dtype=torch.int64), ctx_t,
@@ -294,6 +300,7 @@ class TreeRunnerMixin:
             groups[T] = TreeGroup(rows=rows, q_starts=torch.tensor(q0s, dtype=torch.int64).to(dev),
                                   context_lens=ctx_t.to(dev), candidates=torch.tensor(cands, dtype=torch.int64).to(dev),
                                   build=build, max_depth=max_depth, max_context=max(ctxs), tokens=cands,
+                                  parents=parents, top1=top1,
                                   all_chains=all(p == chain for p in parents),
                                   sampled=[i for i, sampled in enumerate(samples) if sampled])
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
@@ -302,6 +309,7 @@ class TreeRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         groups, self._step_groups = self._step_groups, {}
         self._accepted_paths = {}
+        self._chain_counterfactual = ([], [])
         t0 = time.perf_counter()
         # vLLM's rejection sampler (which it uses whenever spec metadata exists, even
         # with no drafts) drops logprob_token_ids: those steps take the path below.
@@ -325,12 +333,35 @@ class TreeRunnerMixin:
             out = self._sample_mixed_batch(chain_logits, chain_drafts, sampling_metadata, sampled_tokens)
         emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
         self._accepted_paths = {row: path[: emitted[row]] for row, path in paths.items()}
+        if self.budget is not None:
+            self._chain_counterfactual = self._counterfactual_chains(groups, paths)
         self._verified = groups  # their KV moves after the head's extend (``propose_draft_token_ids``)
         self.after_tree_sampling(out, groups, emitted)
         self.tree_stats.verify_steps += bool(groups)
         self.tree_stats.trees_verified += sum(len(g.rows) for g in groups.values())
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return out
+
+    def _counterfactual_chains(self, groups: dict[int, TreeGroup], paths: dict[int, list]) -> tuple[list, list]:
+        """For the budget: what a chain would have accepted on this step's greedy
+        trees (``chain_counterfactual``). A path cut short by a stop or the
+        length limit (``_accepted_paths``) only bounds the chain from below."""
+        lengths, censored = [], []
+        for T, g in groups.items():
+            sampled = set(g.sampled)
+            greedy = [i for i in range(len(g.rows)) if i not in sampled]
+            if g.all_chains or not greedy:
+                continue
+            emitted = [self._accepted_paths[g.rows[i]] for i in greedy]
+            full = torch.tensor([len(paths[g.rows[i]]) for i in greedy])
+            length = torch.tensor([len(p) - 1 for p in emitted])
+            padded = torch.tensor([p + [-1] * (T - len(p)) for p in emitted], dtype=torch.int64)
+            chain, cut = chain_counterfactual(torch.tensor([g.parents[i] for i in greedy]),
+                                              torch.tensor([g.top1[i] for i in greedy]), padded, length)
+            cut |= (length + 1 < full) & (chain == length)
+            lengths += chain.tolist()
+            censored += cut.tolist()
+        return lengths, censored
 
     def _walk_trees(self, groups: dict[int, TreeGroup], logits,
                     first_row: np.ndarray) -> tuple[dict[int, list], dict[int, list]]:
@@ -499,7 +530,9 @@ class TreeRunnerMixin:
             return
         shape, batch, draft_seconds = current
         accepted = [len(path) - 1 for path in self._accepted_paths.values()] if shape is not None else []
-        self.budget.record(shape, batch, step_seconds - self._tree_draft_seconds, draft_seconds, accepted)
+        chains = self._chain_counterfactual if shape is not None and shape.topk > 1 else ((), ())
+        self.budget.record(shape, batch, step_seconds - self._tree_draft_seconds - self._extend_seconds,
+                           draft_seconds, accepted, *chains)
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
@@ -527,9 +560,13 @@ class TreeRunnerMixin:
         t3 = time.perf_counter()
         drafts = self._draft_trees(step, last_hidden, next_hidden, shape)
         t4 = time.perf_counter()
-        self._tree_draft_seconds = t4 - t3
+        # The head's extend serves the next step's drafts: with plain decode next it is
+        # skipped, so it counts as draft cost (d), not as this step's verify cost. An
+        # extend over prefill rows is no sample of a decode step's draft cost (None).
+        self._tree_draft_seconds, self._extend_seconds = t4 - t3, t2 - t1
         if self.budget is not None and len(step.drafting):
-            self._budget_pending = (shape, len(step.drafting), t4 - t3)
+            draft_seconds = (t2 - t1) + (t4 - t3) if self._step_pure_decode else None
+            self._budget_pending = (shape, len(step.drafting), draft_seconds)
         stats = self.tree_stats
         stats.head_seconds += (t2 - t1) + (t4 - t3)
         stats.bookkeeping_seconds += (t1 - t0) + (t3 - t2)
@@ -602,10 +639,11 @@ class TreeRunnerMixin:
                                         torch.from_numpy(step.kv_len[rows]).to(dev), int(step.kv_len[rows].max()),
                                         block_table[torch.from_numpy(rows).to(block_table.device)],
                                         self._draft_kv_views(), shape)
-        tokens, parents = trees.tokens.tolist(), trees.parents.tolist()  # the one host copy of the drafts
+        T = trees.parents.shape[1]
+        host = torch.cat([trees.tokens, trees.parents, trees.top1.to(trees.tokens.dtype)], 1).tolist()  # one copy
         for i, r in enumerate(rows):
-            drafts[r] = tokens[i]
-            self._drafted[req_ids[r]] = (tokens[i], parents[i])
+            drafts[r] = host[i][: T - 1]
+            self._drafted[req_ids[r]] = (drafts[r], host[i][T - 1 : 2 * T - 1], [x == 1 for x in host[i][2 * T - 1 :]])
         return drafts
 
     def _may_speculate(self, req_id: str) -> bool:

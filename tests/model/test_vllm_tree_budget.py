@@ -41,9 +41,10 @@ def prompts():
     return [apply_chat_template(tok, p.text) for p in eval_prompts(num_humaneval=2, num_chat=4)]
 
 
-def generate(kwargs, prompts, rig=None):
+def generate(kwargs, prompts, rig=None, probe=None):
     """Greedy outputs one at a time and all at once; ``rig(worker)`` runs in the
-    engine's worker first (in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    engine's worker first, ``probe(worker)`` after (its result: out["probe"];
+    in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     from vllm import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -55,6 +56,8 @@ def generate(kwargs, prompts, rig=None):
            "spec": spec_metrics(llm.get_metrics())}
     if "additional_config" in kwargs:
         out["runner"] = llm.collective_rpc("spec_tree_stats")[0]
+    if probe is not None:
+        out["probe"] = llm.collective_rpc(probe)[0]
     del llm
     gc.collect()
     return out
@@ -93,12 +96,20 @@ def test_speculation_resumes_after_plain_decode_steps_without_head_kv(prompts, p
     """Plain decode steps chosen by the budget skip the head's extend; the
     trees drafted afterwards read stale head KV at those positions. Output
     must not change; the startup profile must have seeded t_V(1, B)."""
-    rigged = generate(budget_kwargs(), prompts, rig=_alternate_none_and_trees)
+    rigged = generate(budget_kwargs(), prompts, rig=_alternate_none_and_trees, probe=_chain_evidence)
     assert rigged["single"] == plain["single"]
     assert rigged["batch"] == plain["batch"]
     chosen = rigged["runner"]["budget_steps"]
     assert chosen.get("none", 0) > 0 and chosen.get("5,4,8", 0) > 0, chosen
     assert rigged["spec"]["accepted"] > 0, rigged["spec"]
+    # no chain ever ran, yet the chains have evidence: each verified tree told what they would have accepted
+    assert rigged["probe"]["chain_evidence"] > 0 and rigged["probe"]["tree_paired"] > 0, rigged["probe"]
+
+
+def _chain_evidence(worker) -> dict:
+    budget = worker.model_runner.budget
+    chain, tree = budget.menu[1], budget.menu[-1]
+    return {"chain_evidence": budget.acceptance.evidence(chain), "tree_paired": budget.acceptance.paired(tree)}
 
 
 def test_startup_profile_seeds_plain_decode_costs():
