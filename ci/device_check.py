@@ -188,15 +188,15 @@ def find_tool(name: str) -> str | None:
 class Cases:
     """Random inputs for the ops, built on the CPU from seeds, moved to ``device``."""
 
-    def __init__(self, K, device, draft_pool):
+    def __init__(self, K, device, synthetic_pool):
         self.K = K
         self.device = device
-        self.draft_pool = draft_pool
+        self.synthetic_pool = synthetic_pool
 
     def tree(self, topk, num_steps, nodes, batch, flavor, seed, max_context):
         import torch
 
-        scores, parent_list = self.draft_pool(batch, topk, num_steps, flavor, seed=seed)
+        scores, parent_list = self.synthetic_pool(batch, topk, num_steps, flavor, seed=seed)
         gen = torch.Generator().manual_seed(seed)
         seq_lens = torch.randint(0, max_context + 1, (batch,), generator=gen)
         selected = self.K.select_tree_nodes(scores, parent_list, topk, num_steps, nodes, impl="torch")
@@ -483,7 +483,7 @@ def sanitizer_child(args) -> int:
     K = import_kernels()
     import torch
 
-    from spec_plugins.synthetic_trees import draft_pool
+    from spec_plugins.synthetic_trees import synthetic_pool
 
     impls = [i for i in args.impls.split(",") if i]
     if "cuda" in impls:
@@ -492,7 +492,7 @@ def sanitizer_child(args) -> int:
         if not cuda_ops.available():
             print("sanitizer child: CUDA kernels unavailable:", cuda_ops.load_error())
             return 2
-    cases = Cases(K, torch.device("cuda"), draft_pool)
+    cases = Cases(K, torch.device("cuda"), synthetic_pool)
     tally = Tally()
 
     class Quiet:
@@ -1037,10 +1037,10 @@ def main(argv=None) -> int:
     budget = Budget(args.budget or (110.0 if reduced else 450.0))
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     K = import_kernels()
-    from spec_plugins.synthetic_trees import draft_pool
+    from spec_plugins.synthetic_trees import synthetic_pool
 
     device = torch.device("cpu" if reduced else "cuda")
-    cases = Cases(K, device, draft_pool)
+    cases = Cases(K, device, synthetic_pool)
     env = record_environment(report, reduced, budget)
     build_thread, build_state = start_cuda_build(env) if not reduced else (None, {})
     sgl = load_sglang_kernels(report)

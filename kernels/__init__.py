@@ -14,6 +14,7 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
                          rejection with caller-supplied randoms (exact in distribution).
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
 * ``mask_bytes_per_request`` memory of each mask mode.
+* ``TreeShape``          (num_steps, topk, num_draft_tokens), validated; ``TreeShape.parse("5,4,8")``.
 * ``prepare(device)``    engine startup: build/load the CUDA kernels now (Triton if
                          they cannot be built; logged), return the impl per op.
 * ``tree_attention``     verify attention over a paged KV cache under a compact
@@ -40,6 +41,7 @@ from .api import (
 from .modes import TreeMaskMode, mask_bytes_per_request, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
 from .startup import prepare
+from .tree_shape import TreeShape
 
 
 
@@ -54,6 +56,7 @@ def __getattr__(name: str):
 __all__ = [
     "TreeBuild",
     "TreeMaskMode",
+    "TreeShape",
     "VerifyResult",
     "build_tree",
     "mask_bytes_per_request",

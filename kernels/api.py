@@ -30,6 +30,8 @@ import torch
 from . import reference
 from .modes import MAX_TREE_NODES, TreeMaskMode, max_nodes, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
+from .tree_shape import check_positive as _check_positive
+from .tree_shape import parent_list_width, pool_size, validate_tree_shape  # noqa: F401  (the public API)
 
 IMPLS = ("torch", "triton", "cuda")
 # Per op, the faster GPU implementation as measured on an H200 (results/): CUDA
@@ -131,41 +133,6 @@ def _check_tensor(name: str, t, ndim: int, dtypes: tuple, device: torch.device |
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
-
-
-def _check_positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def pool_size(topk: int, num_steps: int) -> int:
-    """Candidates in the draft pool: K + (S - 1) * K^2."""
-    return topk + (num_steps - 1) * topk * topk
-
-
-def parent_list_width(topk: int, num_steps: int) -> int:
-    """Width of SGLang's parent_list: 0 for one step, else 1 + (S - 1) * K."""
-    return 0 if num_steps == 1 else 1 + (num_steps - 1) * topk
-
-
-def validate_tree_shape(num_steps: int, topk: int, num_draft_tokens: int, mode="QLEN_ONLY") -> None:
-    """Startup check of a tree configuration; raises ValueError naming the bad value."""
-    _check_positive("num_steps", num_steps)
-    _check_positive("topk", topk)
-    _check_positive("num_draft_tokens", num_draft_tokens)
-    mode = parse_mask_mode(mode)
-    pool = pool_size(topk, num_steps)
-    if num_draft_tokens - 1 > pool:
-        raise ValueError(
-            f"num_draft_tokens={num_draft_tokens} needs {num_draft_tokens - 1} draft nodes but "
-            f"num_steps={num_steps}, topk={topk} only draft {pool} candidates"
-        )
-    if num_draft_tokens > max_nodes(mode):
-        raise ValueError(
-            f"num_draft_tokens={num_draft_tokens} exceeds what mask mode {mode.name} supports "
-            f"({max_nodes(mode)} nodes)"
-        )
 
 
 # ----------------------------------------------------------------------- ops

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .modes import TREE_ATTENTION_MODES, TreeMaskMode, ancestor_bitmask_words, parse_mask_mode
+from .modes import MODES, TREE_ATTENTION_MODES, TreeMaskMode, mask_dtype, parse_mask_mode
 
 SUPPORTED_MODES = TREE_ATTENTION_MODES  # the table in ``modes``
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,12 +63,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, context_lens, tree_mask, mod
         )
     if not isinstance(tree_mask, torch.Tensor) or tree_mask.device != q.device:
         raise ValueError("tree_mask must be a tensor on q's device")
-    if mode == TreeMaskMode.ANCESTOR_BITMASK:
-        want, dtype = (batch, nodes, ancestor_bitmask_words(nodes)), torch.int64
-    elif mode == TreeMaskMode.PARENT_POINTER:
-        want, dtype = (batch, 2, nodes), torch.int16
-    else:
-        want, dtype = (batch * nodes * nodes,), torch.bool
+    want, dtype = MODES[mode].shape(batch, nodes, 0), mask_dtype(mode, nodes)
     if tuple(tree_mask.shape) != want or tree_mask.dtype != dtype:
         raise ValueError(
             f"{mode.name} tree_mask must be {dtype} of shape {want}, got {tree_mask.dtype} {tuple(tree_mask.shape)}"

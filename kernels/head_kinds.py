@@ -7,10 +7,12 @@ vLLM's ``speculative_config`` method says ``eagle`` / ``eagle3``
 ``EAGLE3`` (``sglang_algorithm``).
 
 Detection (``head_kind``) reads a head's ``config.json`` as a dict: our own
-record (``spec_plugins.kind``) first, then the architectures: EAGLE-3 when one
-names ``eagle3`` (any case: SGLang's ``LlamaForCausalLMEagle3``,
-``Eagle3DeepseekV2ForCausalLM``), EAGLE-1 otherwise. SGLang loads the head by
-its architecture, so that is all its adapter may look at
+record (``spec_plugins.kind``) first, then the fields only EAGLE-3 heads carry
+(``EAGLE3_CONFIG_KEYS``: ``eagle_config``, ``draft_vocab_size``), then the
+architectures: EAGLE-3 when one names ``eagle3`` (any case: SGLang's
+``LlamaForCausalLMEagle3``, ``Eagle3DeepseekV2ForCausalLM``), EAGLE-1
+otherwise. The vLLM adapter and the bundled heads use ``head_kind``; SGLang
+loads the head by its architecture, so that is all its adapter may look at
 (``head_kind_of_architectures``).
 """
 
@@ -43,7 +45,10 @@ class HeadKind(str, enum.Enum):
         raise ValueError(f"unknown draft-head kind {name!r}; expected eagle1 (eagle, EAGLE) or eagle3 (EAGLE3)")
 
 
-SGLANG_ALGORITHMS = tuple(kind.sglang_algorithm for kind in HeadKind)
+SGLANG_ALGORITHMS = tuple(kind.sglang_algorithm for kind in HeadKind)  # ("EAGLE", "EAGLE3")
+VLLM_METHODS = tuple(kind.vllm_method for kind in HeadKind)  # ("eagle", "eagle3")
+# config.json fields of EAGLE-3 heads only (the reduced draft vocabulary, the aux-layer config).
+EAGLE3_CONFIG_KEYS = ("eagle_config", "draft_vocab_size")
 
 
 def head_kind_of_architectures(architectures: Iterable[str] | None) -> HeadKind:
@@ -56,4 +61,6 @@ def head_kind(config: Mapping) -> HeadKind:
     recorded = (config.get("spec_plugins") or {}).get("kind")
     if recorded:
         return HeadKind.parse(recorded)
+    if any(key in config for key in EAGLE3_CONFIG_KEYS):
+        return HeadKind.EAGLE3
     return head_kind_of_architectures(config.get("architectures"))

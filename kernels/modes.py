@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -50,6 +50,10 @@ class TreeMaskMode(enum.IntEnum):
     PARENT_POINTER = 4
 
 
+# (batch B, nodes T, seq_lens_sum sum(L)) -> the buffer's shape
+BufferShape = Callable[[int, int, int], tuple[int, ...]]
+
+
 @dataclass(frozen=True)
 class ModeSupport:
     """What one mask mode is and who reads it (the table ``MODES``)."""
@@ -59,17 +63,23 @@ class ModeSupport:
     max_nodes: int  # largest T the layout holds
     sglang_builds: bool  # SGLang 0.5.23 builds this layout itself (byte-identical to ours)
     tree_attention: Optional[int]  # ``tree_attention`` reads it: its rank, 0 = the default; None: not read
+    shape: BufferShape  # the buffer ``layout`` describes (``empty_tree_mask`` allocates it)
 
 
 # The one table of mask modes. Both adapters' verify attention is
 # ``spec_tree_kernels.tree_attention``, so ``TREE_ATTENTION_MODES`` is what
 # vLLM's tree rows and SGLang's spec_tree backends accept.
 MODES: dict[TreeMaskMode, ModeSupport] = {
-    TreeMaskMode.FULL_MASK: ModeSupport("flat [sum(L) * T + B * T * T]", torch.bool, MAX_TREE_NODES, True, None),
-    TreeMaskMode.QLEN_ONLY: ModeSupport("flat [B * T * T]", torch.bool, MAX_TREE_NODES, True, 2),
-    TreeMaskMode.QLEN_ONLY_BITPACKING: ModeSupport("flat [B * T] words", None, MAX_BITPACKED_NODES, True, None),
-    TreeMaskMode.ANCESTOR_BITMASK: ModeSupport("[B, T, ceil(T / 64)]", torch.int64, MAX_TREE_NODES, False, 0),
-    TreeMaskMode.PARENT_POINTER: ModeSupport("[B, 2, T] (parent, depth)", torch.int16, MAX_TREE_NODES, False, 1),
+    TreeMaskMode.FULL_MASK: ModeSupport("flat [sum(L) * T + B * T * T]", torch.bool, MAX_TREE_NODES, True, None,
+                                        lambda b, t, lsum: (lsum * t + b * t * t,)),
+    TreeMaskMode.QLEN_ONLY: ModeSupport("flat [B * T * T]", torch.bool, MAX_TREE_NODES, True, 2,
+                                        lambda b, t, lsum: (b * t * t,)),
+    TreeMaskMode.QLEN_ONLY_BITPACKING: ModeSupport("flat [B * T] words", None, MAX_BITPACKED_NODES, True, None,
+                                                   lambda b, t, lsum: (b * t,)),
+    TreeMaskMode.ANCESTOR_BITMASK: ModeSupport("[B, T, ceil(T / 64)]", torch.int64, MAX_TREE_NODES, False, 0,
+                                               lambda b, t, lsum: (b, t, ancestor_bitmask_words(t))),
+    TreeMaskMode.PARENT_POINTER: ModeSupport("[B, 2, T] (parent, depth)", torch.int16, MAX_TREE_NODES, False, 1,
+                                             lambda b, t, lsum: (b, 2, t)),
 }
 # The modes tree attention reads, its default first.
 TREE_ATTENTION_MODES: tuple[TreeMaskMode, ...] = tuple(
@@ -117,8 +127,17 @@ def max_nodes(mode: "TreeMaskMode | int | str") -> int:
     return MODES[parse_mask_mode(mode)].max_nodes
 
 
+def mask_dtype(mode: TreeMaskMode, num_draft_tokens: int) -> torch.dtype:
+    """The element dtype of ``mode``'s buffer for trees of T nodes (``MODES``)."""
+    dtype = MODES[mode].dtype
+    if dtype is None:  # QLEN_ONLY_BITPACKING: one word per row, as wide as T needs
+        dtype = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[bitpacked_word_bytes(num_draft_tokens)]
+    return dtype
+
+
 def mask_bytes_per_request(mode: "TreeMaskMode | int | str", num_draft_tokens: int, context_len: int) -> int:
-    """Bytes of tree mask one request needs per verify step.
+    """Bytes of tree mask one request needs per verify step: its buffer for
+    B = 1, sum(L) = L (``MODES``).
 
     FULL_MASK: T * (L + T); QLEN_ONLY: T * T; QLEN_ONLY_BITPACKING: T * {1,2,4};
     ANCESTOR_BITMASK: T * 8 * ceil(T / 64); PARENT_POINTER: 2 * 2 * T.
@@ -129,26 +148,13 @@ def mask_bytes_per_request(mode: "TreeMaskMode | int | str", num_draft_tokens: i
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     if context_len < 0:
         raise ValueError(f"context_len must be >= 0, got {context_len}")
-    if mode == TreeMaskMode.FULL_MASK:
-        return t * (int(context_len) + t)
-    if mode == TreeMaskMode.QLEN_ONLY:
-        return t * t
-    if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
-        return t * bitpacked_word_bytes(t)
-    if mode == TreeMaskMode.ANCESTOR_BITMASK:
-        return t * 8 * ancestor_bitmask_words(t)
-    return 2 * 2 * t
+    itemsize = mask_dtype(mode, t).itemsize
+    return math.prod(MODES[mode].shape(1, t, int(context_len))) * itemsize
 
 
-def empty_tree_mask(mode: TreeMaskMode, batch: int, nodes: int, seq_lens_sum: int, device) -> torch.Tensor:
-    """An uninitialized mask buffer in ``mode``'s layout (see the module doc)."""
-    if mode == TreeMaskMode.FULL_MASK:
-        return torch.empty(seq_lens_sum * nodes + nodes * nodes * batch, dtype=torch.bool, device=device)
-    if mode == TreeMaskMode.QLEN_ONLY:
-        return torch.empty(batch * nodes * nodes, dtype=torch.bool, device=device)
-    if mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
-        dtype = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[bitpacked_word_bytes(nodes)]
-        return torch.empty(batch * nodes, dtype=dtype, device=device)
-    if mode == TreeMaskMode.ANCESTOR_BITMASK:
-        return torch.empty(batch, nodes, ancestor_bitmask_words(nodes), dtype=torch.int64, device=device)
-    return torch.empty(batch, 2, nodes, dtype=torch.int16, device=device)
+def empty_tree_mask(mode: TreeMaskMode, batch: int, nodes: int, seq_lens_sum: int, device,
+                    *, zeroed: bool = False) -> torch.Tensor:
+    """The one mask allocator: a buffer in ``mode``'s layout (``MODES``; the
+    module doc gives the bits), uninitialized or, with ``zeroed``, all zeros."""
+    alloc = torch.zeros if zeroed else torch.empty
+    return alloc(MODES[mode].shape(batch, nodes, seq_lens_sum), dtype=mask_dtype(mode, nodes), device=device)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+from spec_tree_kernels import TreeShape
+
 
 def parse_shape(text: str) -> tuple[int, int, int]:
-    """``"5,4,8"`` -> (num_steps, topk, num_draft_tokens), for argparse ``type=``."""
+    """``"5,4,8"`` -> (num_steps, topk, num_draft_tokens), for argparse ``type=``:
+    ``TreeShape.parse`` (the spelling and the validation), as the plain triple
+    the tools key their runs by."""
     try:
-        shape = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3:
-        raise argparse.ArgumentTypeError(f"shape {text!r} must be num_steps,topk,num_draft_tokens (e.g. 5,4,8)")
-    return shape
+        return TreeShape.parse(text).as_tuple()
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None

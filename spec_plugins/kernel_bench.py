@@ -24,7 +24,7 @@ import torch
 import spec_tree_kernels as K
 from spec_tree_kernels import TreeMaskMode
 
-from .synthetic_trees import draft_pool
+from .synthetic_trees import synthetic_pool
 
 # (num_steps, topk) that give a pool large enough for T draft tokens
 TREE_SHAPES = {8: (5, 4), 16: (5, 4), 32: (6, 8), 64: (8, 8), 128: (8, 8)}
@@ -63,7 +63,7 @@ def usable_impls(device: torch.device) -> list[str]:
 
 def bench_point(batch: int, nodes: int, context: int, device: torch.device, impls: list[str], repeats: int) -> list[dict]:
     num_steps, topk = TREE_SHAPES[nodes]
-    scores, parent_list = draft_pool(batch, topk, num_steps, "random", seed=batch * 1000 + nodes)
+    scores, parent_list = synthetic_pool(batch, topk, num_steps, "random", seed=batch * 1000 + nodes)
     scores, parent_list = scores.to(device), parent_list.to(device)
     seq_lens = torch.full((batch,), context, dtype=torch.int64, device=device)
     selected = K.select_tree_nodes(scores, parent_list, topk, num_steps, nodes)

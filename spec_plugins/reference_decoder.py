@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 import spec_tree_kernels as stk
-from spec_plugins.tree_drafting import draft_pool
+from spec_plugins.tree_drafting import TreeShape, expand_head_pool
 
 
 def check_sampling_params(temperature: float, top_k: int, top_p: float) -> None:
@@ -259,7 +259,7 @@ class TreeDecoder:
         ``greedy``); temperature > 0: distributed as ``sample`` with the same
         temperature / top_p / top_k (randoms from a generator seeded by ``seed``;
         None: a fresh seed)."""
-        stk.validate_tree_shape(num_steps, topk, num_draft_tokens)
+        shape = TreeShape(num_steps, topk, num_draft_tokens)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         sampling = Sampling.create(temperature, top_k, top_p, seed) if temperature > 0 else None
@@ -267,12 +267,12 @@ class TreeDecoder:
         t0 = time.perf_counter()
         state = self._prefill(torch.as_tensor(prompt_ids, dtype=torch.long), sampling, out)
         while len(out.tokens) < max_new_tokens and not (stop_at_eos and out.tokens[-1] == self.eos):
-            pool = self._draft(state, num_steps, topk, out.timer)
-            tree = self._build(state, pool, num_steps, topk, num_draft_tokens, out.timer)
-            logits, aux, final, res = self._verify(state, tree, num_steps, sampling, out.timer)
+            pool = self._draft(state, shape, out.timer)
+            tree = self._build(state, pool, shape, out.timer)
+            logits, aux, final, res = self._verify(state, tree, shape.num_steps, sampling, out.timer)
             acc = int(res.accept_length[0])
             emitted = res.accept_tokens[0, : acc + 1]
-            self._move(state, res, num_draft_tokens, out.timer)
+            self._move(state, res, shape.num_draft_tokens, out.timer)
             out.accept_lengths.append(acc)
             out.tokens.extend(int(t) for t in emitted)
             self._extend(state, emitted, res.accept_index[0, : acc + 1].long(), aux, final, out.timer)
@@ -302,19 +302,20 @@ class TreeDecoder:
         out.timer.add("draft_prefill", time.perf_counter() - t1)
         return _State(cache, dk, dv, d_logits[-1], d_hidden[-1], kv_len=n, root=root)
 
-    def _draft(self, state: _State, num_steps: int, topk: int, tm: Timer):
+    def _draft(self, state: _State, shape: TreeShape, tm: Timer):
         """The candidate pool: (scores [P], pool_tokens [P], parent_list)."""
         t1 = time.perf_counter()
-        pool = draft_pool(self.head, state.last_logits, state.last_hidden, state.draft_k, state.draft_v,
-                          state.kv_len, num_steps, topk, tm.add)
+        pool = expand_head_pool(self.head, state.last_logits, state.last_hidden, state.draft_k, state.draft_v,
+                                state.kv_len, shape.num_steps, shape.topk, tm.add)
         tm.add("draft_tree", time.perf_counter() - t1)
         return pool
 
-    def _build(self, state: _State, pool, num_steps: int, topk: int, num_draft_tokens: int, tm: Timer) -> _Tree:
+    def _build(self, state: _State, pool, shape: TreeShape, tm: Timer) -> _Tree:
         """Select the T - 1 best pool entries (ancestor-closed) and build the verify tree."""
         t1 = time.perf_counter()
         scores, pool_tokens, parent_list = pool
-        kv_len, T = state.kv_len, num_draft_tokens
+        kv_len, T = state.kv_len, shape.num_draft_tokens
+        num_steps, topk = shape.num_steps, shape.topk
         selected = stk.select_tree_nodes(scores[None], parent_list[None], topk, num_steps, T, impl=self.impl)
         tree = stk.build_tree(selected, parent_list[None], torch.tensor([kv_len]), topk, num_steps,
                               stk.TreeMaskMode.QLEN_ONLY, impl=self.impl)

@@ -45,7 +45,7 @@ def child_probs(rows: int, topk: int, flavor: str, generator: torch.Generator) -
     return torch.sort(probs, dim=1, descending=True).values
 
 
-def draft_pool(batch: int, topk: int, num_steps: int, flavor: str = "random", seed: int = 0):
+def synthetic_pool(batch: int, topk: int, num_steps: int, flavor: str = "random", seed: int = 0):
     """(scores [B, P] float32, parent_list [B, 1 + (S-1)K] int64, or [B, 0] for S == 1)."""
     generator = torch.Generator().manual_seed(seed)
     survivors = child_probs(batch, topk, flavor, generator)

@@ -21,19 +21,7 @@ from typing import Callable
 import torch
 
 import spec_tree_kernels as stk
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """num_steps = tree depth D, topk = branching per step, num_draft_tokens = T
-    (tree nodes including the root). topk = 1 is a chain with T = D + 1."""
-
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
-
-    def __post_init__(self):
-        stk.validate_tree_shape(self.num_steps, self.topk, self.num_draft_tokens)
+from spec_tree_kernels import TreeShape  # the kernel module's shape type, re-exported for the adapters
 
 
 @dataclass
@@ -151,8 +139,8 @@ def dense_head_step(head, past_k: torch.Tensor, past_v: torch.Tensor, kv_len: in
     return step
 
 
-def draft_pool(head, last_logits, last_hidden, past_k, past_v, kv_len: int, num_steps: int, topk: int,
-               timer=_noop_timer):
+def expand_head_pool(head, last_logits, last_hidden, past_k, past_v, kv_len: int, num_steps: int, topk: int,
+                     timer=_noop_timer):
     """One request's pool from an ``EagleHead`` (the reference decoder's drafting).
 
     last_logits [V_draft] and last_hidden [H]: the head's output at position

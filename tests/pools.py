@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
-from spec_plugins.synthetic_trees import FLAVORS, draft_pool
+from spec_plugins.synthetic_trees import FLAVORS, synthetic_pool
 
 __all__ = ["FLAVORS", "random_batch"]
 
 
 def random_batch(rng: random.Random, batch: int, topk: int, num_steps: int, flavor: str):
     """(scores [B, P] float32, parent_list [B, W] int64) seeded from ``rng``."""
-    return draft_pool(batch, topk, num_steps, flavor, seed=rng.randint(0, 2**31))
+    return synthetic_pool(batch, topk, num_steps, flavor, seed=rng.randint(0, 2**31))

@@ -92,10 +92,11 @@ def main(argv=None) -> int:
     from spec_plugins.heads import SHIPPED, head_path
     from spec_plugins.models.smollm2 import ensure_converted
     from spec_plugins.prompts import apply_chat_template, eval_prompts
+    from spec_tree_kernels.head_kinds import head_kind
 
     head_dir = head_path(args.head) if args.head in SHIPPED else Path(args.head)
     cfg = json.loads((head_dir / "config.json").read_text())
-    method = args.method or ("eagle3" if "Eagle3" in cfg["architectures"][0] else "eagle")
+    method = args.method or head_kind(cfg).vllm_method
     tok = AutoTokenizer.from_pretrained(ensure_converted())
     half = max(1, args.num_prompts // 2)
     prompts = [apply_chat_template(tok, p.text) for p in eval_prompts(num_humaneval=args.num_prompts - half, num_chat=half)]

@@ -30,15 +30,9 @@ from sglang.srt.layers.attention.verify_mask import VerifyMask
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from spec_tree_kernels import TreeMaskMode, resolve_impl, tree_attention
-from spec_tree_kernels.modes import ancestor_bitmask_words
+from spec_tree_kernels.modes import MODES, TREE_ATTENTION_MODES, empty_tree_mask, mask_dtype
 
 from .config import ALGORITHM_NAME, BACKEND_TORCH, requested_mask_mode, resolve_mask_mode
-
-_MASK_DTYPES = {
-    TreeMaskMode.ANCESTOR_BITMASK: torch.int64,
-    TreeMaskMode.PARENT_POINTER: torch.int16,
-    TreeMaskMode.QLEN_ONLY: torch.bool,
-}
 
 
 class TreeVerifyMeta(NamedTuple):
@@ -60,14 +54,11 @@ def _spec_num_draft_tokens() -> Optional[int]:
 
 
 def allocate_verify_mask(mode: TreeMaskMode, max_bs: int, nodes: int, device) -> torch.Tensor:
-    """The verify-mask buffer for ``max_bs`` requests of ``nodes`` nodes."""
-    if mode == TreeMaskMode.ANCESTOR_BITMASK:
-        return torch.zeros(max_bs, nodes, ancestor_bitmask_words(nodes), dtype=torch.int64, device=device)
-    if mode == TreeMaskMode.PARENT_POINTER:
-        return torch.zeros(max_bs, 2, nodes, dtype=torch.int16, device=device)
-    if mode == TreeMaskMode.QLEN_ONLY:
-        return torch.zeros(max_bs * nodes * nodes, dtype=torch.bool, device=device)
-    raise ValueError(f"{BACKEND_TORCH}: tree attention does not read mask mode {mode.name}")
+    """The verify-mask buffer for ``max_bs`` requests of ``nodes`` nodes, zeroed
+    (the kernel module's allocator, ``spec_tree_kernels.modes.empty_tree_mask``)."""
+    if mode not in TREE_ATTENTION_MODES:
+        raise ValueError(f"{BACKEND_TORCH}: tree attention does not read mask mode {mode.name}")
+    return empty_tree_mask(mode, max_bs, nodes, 0, device, zeroed=True)
 
 
 # ----------------------------------------------- startup checks (model runner)
@@ -212,20 +203,16 @@ class TreeVerifyMixin:
         if nodes == 1:  # a one-node tree (speculative_num_steps == 0): the root sees itself
             return torch.ones(bs, 1, 1, dtype=torch.int64, device=custom_mask.device), TreeMaskMode.ANCESTOR_BITMASK
         mode = self.tree_mask_mode
-        want = _MASK_DTYPES[mode]
+        want = mask_dtype(mode, nodes)
         if custom_mask is None or custom_mask.dtype != want:
             got = None if custom_mask is None else custom_mask.dtype
             raise RuntimeError(
                 f"{ALGORITHM_NAME}: attention backend {self.backend_name!r} reads {mode.name} tree masks "
                 f"({want}) but the verify input carries {got}: the worker built another mask mode"
             )
-        if mode == TreeMaskMode.ANCESTOR_BITMASK:
-            view = custom_mask.reshape(-1, nodes, ancestor_bitmask_words(nodes))[:bs]
-        elif mode == TreeMaskMode.PARENT_POINTER:
-            view = custom_mask.reshape(-1, 2, nodes)[:bs]
-        else:
-            view = custom_mask.reshape(-1)[: bs * nodes * nodes]
-        if view.shape[0] < (bs if mode != TreeMaskMode.QLEN_ONLY else bs * nodes * nodes):
+        shape = MODES[mode].shape(bs, nodes, 0)  # the first bs requests' part of the buffer
+        view = custom_mask.reshape(-1, *shape[1:])[: shape[0]]
+        if view.shape[0] < shape[0]:
             raise RuntimeError(f"{ALGORITHM_NAME}: tree mask of shape {tuple(custom_mask.shape)} is too small for {bs} requests")
         return view, mode
 

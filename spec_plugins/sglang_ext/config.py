@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from typing import Iterable, Mapping, Optional
 
-from spec_tree_kernels import TreeMaskMode, parse_mask_mode, validate_tree_shape
+from spec_tree_kernels import TreeMaskMode, TreeShape, parse_mask_mode
 from spec_tree_kernels.head_kinds import SGLANG_ALGORITHMS, head_kind_of_architectures
 from spec_tree_kernels.modes import DEFAULT_TREE_ATTENTION_MODE, MAX_TREE_NODES, TREE_ATTENTION_MODES, max_nodes
 
@@ -92,9 +92,9 @@ def resolve_mask_mode(requested: Optional[TreeMaskMode], verify_backend: Optiona
     return requested
 
 
-def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> None:
-    """Startup check of the draft-tree shape against the selection pool and
-    the mask mode (ValueError with the offending flag)."""
+def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> TreeShape:
+    """Startup check of the draft-tree shape against the mask mode and the
+    selection pool (ValueError with the offending flag); the shape."""
     for flag, value in (
         ("--speculative-num-steps", num_steps),
         ("--speculative-eagle-topk", topk),
@@ -109,7 +109,7 @@ def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> None
             + ("; use ANCESTOR_BITMASK for larger trees" if mode == TreeMaskMode.QLEN_ONLY_BITPACKING else "")
         )
     try:
-        validate_tree_shape(num_steps, topk, num_draft_tokens, mode)
+        return TreeShape(num_steps, topk, num_draft_tokens)
     except ValueError as err:
         raise ValueError(
             f"{ALGORITHM_NAME}: {err} (--speculative-num-steps={num_steps}, --speculative-eagle-topk={topk}, "

@@ -15,7 +15,7 @@ import random
 import torch
 
 import spec_tree_kernels as stk
-from spec_plugins.synthetic_trees import FLAVORS, draft_pool
+from spec_plugins.synthetic_trees import FLAVORS, synthetic_pool
 from spec_tree_kernels import TreeMaskMode
 
 
@@ -34,7 +34,7 @@ def compare_with_sglang(rng: random.Random) -> str | None:
     batch, topk, num_steps = rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 5)
     nodes = rng.randint(1, min(stk.pool_size(topk, num_steps) + 1, 16))
     flavor = rng.choice(FLAVORS)
-    scores, parent_list = draft_pool(batch, topk, num_steps, flavor, seed=rng.randrange(2**31))
+    scores, parent_list = synthetic_pool(batch, topk, num_steps, flavor, seed=rng.randrange(2**31))
     selected = stk.select_tree_nodes(scores, parent_list, topk, num_steps, nodes, impl="torch")
     seq_lens = torch.tensor([rng.randint(1, 40) for _ in range(batch)], dtype=torch.int64)
     case = f"batch={batch} topk={topk} num_steps={num_steps} T={nodes} flavor={flavor}"

@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import spec_tree_kernels as stk
-from spec_plugins.tree_drafting import TreeShape
+from spec_tree_kernels import TreeShape
+from spec_tree_kernels.head_kinds import VLLM_METHODS, head_kind
 from spec_tree_kernels.modes import TREE_ATTENTION_MODE_NAMES
 
 SPEC_TREE_KEY = "spec_tree"
 CLI_ALGORITHM = "EAGLE_TREE"
 # SGLang's defaults for Llama targets (speculative_hook.py): a (5, 4, 8) tree.
-DEFAULT_SHAPE = {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}
+DEFAULT_SHAPE = TreeShape(num_steps=5, topk=4, num_draft_tokens=8)
 MAX_SPEC_LEN = 128  # vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN: drafts per request per step
 DEFAULT_MASK_MODE = TREE_ATTENTION_MODE_NAMES[0]  # ANCESTOR_BITMASK
 ALLOWED_MASK_MODES = TREE_ATTENTION_MODE_NAMES  # what tree attention reads (spec_tree_kernels.modes.MODES)
@@ -94,7 +95,7 @@ def parse_tree_settings(raw) -> TreeSettings:
         values[key] = v
     if "num_draft_tokens" not in values and values.get("topk") == 1 and "num_steps" in values:
         values["num_draft_tokens"] = values["num_steps"] + 1  # a chain of num_steps
-    merged = {**DEFAULT_SHAPE, **values}
+    merged = {**asdict(DEFAULT_SHAPE), **values}
     try:
         shape = TreeShape(**merged)
     except ValueError as e:
@@ -146,15 +147,14 @@ def check_shape_limits(shape: TreeShape, mode: str, what: str) -> None:
 
 
 def head_method(path: str) -> str:
-    """"eagle3" or "eagle" from a head folder's config.json (EAGLE-1 vs EAGLE-3)."""
+    """"eagle3" or "eagle" from a head folder's config.json: the kernel
+    module's head-kind rule (``spec_tree_kernels.head_kinds.head_kind``) in vLLM's spelling."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise TreeConfigError(
             f"--speculative-draft-model-path {path!r}: no config.json there (a local head folder is needed to "
             "tell EAGLE-1 from EAGLE-3; or pass --speculative-config with an explicit method)")
-    cfg = json.loads(cfg_path.read_text())
-    archs = " ".join(cfg.get("architectures") or [])
-    return "eagle3" if ("Eagle3" in archs or "eagle_config" in cfg or "draft_vocab_size" in cfg) else "eagle"
+    return head_kind(json.loads(cfg_path.read_text())).vllm_method
 
 
 def settings_from_vllm_config(vllm_config) -> TreeSettings | None:
@@ -181,7 +181,7 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     engine_args.additional_config = {**extra, SPEC_TREE_KEY: settings.as_dict()}
     spec = dict(engine_args.speculative_config or {})
     method = spec.get("method")
-    if method not in ("eagle", "eagle3"):
+    if method not in VLLM_METHODS:
         raise TreeConfigError(
             f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), "
             f"got method={method!r}")

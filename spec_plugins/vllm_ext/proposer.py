@@ -121,11 +121,12 @@ def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:
     errors naming the head: kind vs method, one layer, sizes, aux layers."""
     from pathlib import Path
 
+    from spec_tree_kernels.head_kinds import head_kind_of_architectures
+
     from .config import head_method
 
-    archs = " ".join(getattr(head_cfg, "architectures", None) or [])
     kind = head_method(folder) if (Path(folder) / "config.json").is_file() else (
-        "eagle3" if "Eagle3" in archs else "eagle")
+        head_kind_of_architectures(getattr(head_cfg, "architectures", None)).vllm_method)
     want = "eagle3" if method == "eagle3" else "eagle"
     if kind != want:
         raise TreeConfigError(f"draft head {folder} is an {kind} head but speculative method is {method!r}")

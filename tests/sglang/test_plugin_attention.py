@@ -291,6 +291,21 @@ def test_verify_mask_interface(published, monkeypatch):
         ATTENTION_BACKENDS[config.BACKEND_TORCH](make_runner())
 
 
+def test_verify_mask_buffer_comes_from_the_kernel_allocator():
+    """The backend's buffer is ``spec_tree_kernels.modes.empty_tree_mask``'s
+    (zeroed), for the modes tree attention reads and no other."""
+    from spec_plugins.sglang_ext.attention import allocate_verify_mask
+    from spec_tree_kernels.modes import TREE_ATTENTION_MODES, empty_tree_mask
+
+    for mode in TREE_ATTENTION_MODES:
+        buffer = allocate_verify_mask(mode, 3, NODES, "cpu")
+        like = empty_tree_mask(mode, 3, NODES, 0, "cpu")
+        assert (buffer.shape, buffer.dtype) == (like.shape, like.dtype) and not buffer.view(torch.uint8).any()
+    for mode in set(TreeMaskMode) - set(TREE_ATTENTION_MODES):
+        with pytest.raises(ValueError, match=f"does not read mask mode {mode.name}"):
+            allocate_verify_mask(mode, 3, NODES, "cpu")
+
+
 def test_a_mask_of_another_mode_is_refused(published, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     backend, runner = make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)
