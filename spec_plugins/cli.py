@@ -91,6 +91,10 @@ def progress_printer(label: str):
     return show
 
 
+def log_line(line: str) -> None:
+    print(f"spec-plugins: {line}", file=sys.stderr, flush=True)
+
+
 def run_all(model, configs, prompts, max_tokens, levels: list[int], repeats: int = 1, temperatures=(0.0,)):
     """{(config, concurrency, temperature): RunResult}; one engine per configuration
     and repeat, every level and temperature on it. With repeats, the configurations run in alternating order
@@ -210,7 +214,11 @@ def cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts, model)
     configs = configs_for(resolve_heads(args.heads), args.shapes, engine_chains=not args.no_engine_chain,
                           budget_menus=args.budget)
-    results = run_all(model, configs, prompts, args.max_tokens, args.concurrency, args.repeats, args.temperatures)
+    if args.interleave:
+        results = vb.run_interleaved(configs, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
+                                     args.interleave, args.temperatures, log=log_line, progress=progress_printer)
+    else:
+        results = run_all(model, configs, prompts, args.max_tokens, args.concurrency, args.repeats, args.temperatures)
     rows = []
     for temp in args.temperatures:
         for level in args.concurrency:
@@ -219,8 +227,8 @@ def cmd_bench(args) -> int:
                 rows.append(vb.summarize(results[(configs[0], level, temp)], results[(cfg, level, temp)], cfg,
                                          results[(peer, level, temp)] if peer else None))
     meta = {"model": model, "prompts": [pid for pid, _ in prompts], "max_tokens": args.max_tokens,
-            "repeats": args.repeats, "temperatures": args.temperatures, "sampled_top_p": vb.SAMPLED_TOP_P,
-            "concurrency": args.concurrency, "engine": _engine_version()}
+            "repeats": args.repeats, "interleave": args.interleave, "temperatures": args.temperatures,
+            "sampled_top_p": vb.SAMPLED_TOP_P, "concurrency": args.concurrency, "engine": _engine_version()}
     vb.write_report(rows, meta, Path(args.out))
     print(vb.table(rows))
     print(f"spec-plugins bench: wrote {args.out}/results.json, results.md, bench.png")
@@ -377,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests in flight at once; each level runs on the same engines (default: 1 8)")
     bench.add_argument("--repeats", type=int, default=1,
                        help="run every configuration this many times (alternating order), keep the fastest")
+    bench.add_argument("--interleave", type=int, default=None, metavar="ROUNDS",
+                       help="keep every configuration's engine alive at once (one engine-core process each) and "
+                            "run ROUNDS rounds per level, the order rotated each round; report the median round "
+                            "and the medians of per-round ratios (the machine's drift hits all alike)")
     bench.add_argument("--no-engine-chain", action="store_true",
                        help="leave out vLLM's own EAGLE chain (the peer row, one per chain length in --shapes)")
     bench.add_argument("--budget", nargs="*", default=[], metavar="MENU",
@@ -405,13 +417,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine logs drown the progress lines
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines: one per configuration
-    for name in ("num_prompts", "max_tokens", "concurrency", "repeats"):
+    # in-process engines, one per configuration (--interleave: one engine-core process each, set there)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for name in ("num_prompts", "max_tokens", "concurrency", "repeats", "interleave"):
         values = getattr(args, name, 1)
         for value in values if isinstance(values, list) else [values]:
             if value is not None and value < 1:
                 print(f"spec-plugins: --{name.replace('_', '-')} must be >= 1, got {value}")
                 return 2
+    if getattr(args, "interleave", None) and args.repeats > 1:
+        print("spec-plugins: --interleave replaces --repeats (each round is a repeat)")
+        return 2
     return args.func(args)
 
 

@@ -21,6 +21,12 @@ Per configuration and concurrency:
   speedup tau / (t_V/t_T + num_steps * c) next to the measured one.
 
 Engine settings: vLLM-CPU (or CUDA) V1, fp32, enforce_eager, one process.
+
+``run_interleaved`` (``spec-plugins bench --interleave ROUNDS``) instead keeps
+every configuration's engine alive at once, each in its own engine-core
+process, and runs the configurations in rounds (order rotated each round), so
+a drift of a shared machine's speed hits every configuration alike: tokens/s
+is the median round, ratios are medians of per-round ratios.
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 from spec_plugins.heads.vllm_check import _metric
@@ -65,7 +74,7 @@ class RunResult:
     name: str
     concurrency: int = 1
     temperature: float = 0.0
-    all_tokens_per_s: list = field(default_factory=list)  # every repeat's tokens/s (this run: the fastest)
+    all_tokens_per_s: list = field(default_factory=list)  # every repeat's / round's tokens/s
     tokens: list = field(default_factory=list)  # per prompt: generated token ids
     finish_reasons: list = field(default_factory=list)
     seconds: float = 0.0
@@ -74,9 +83,13 @@ class RunResult:
     accepted: int = 0
     accepted_per_depth: list = field(default_factory=list)
     runner: dict = field(default_factory=dict)
+    rounds: list = field(default_factory=list)  # interleaved: each round's RunResult (counters here: their sums)
 
     @property
     def tokens_per_s(self) -> float:
+        """Interleaved: the median round's tokens/s; else generated / seconds."""
+        if self.rounds:
+            return statistics.median(r.tokens_per_s for r in self.rounds)
         return self.generated / self.seconds if self.seconds else 0.0
 
     @property
@@ -121,15 +134,21 @@ def run_config(cfg: SpecConfig, model: str, prompts: list[str], max_tokens: int,
     each temperature and concurrency (concurrency an int and one temperature:
     one RunResult; else a list, temperature-major)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(**engine_kwargs(model, **engine_extra), **spec_kwargs(cfg))
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    llm = build_engine(cfg, model, prompts[0], **engine_extra)
     levels = concurrency if isinstance(concurrency, (list, tuple)) else [concurrency]
     results = [_timed_run(llm, cfg, prompts, max_tokens, c, t, progress) for t in temperatures for c in levels]
     del llm
     gc.collect()
     return results if isinstance(concurrency, (list, tuple)) or len(temperatures) > 1 else results[0]
+
+
+def build_engine(cfg: SpecConfig, model: str, warmup_prompt: str, **engine_extra):
+    """The configuration's LLM, warmed up with one short greedy request."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(model, **engine_extra), **spec_kwargs(cfg))
+    llm.generate([warmup_prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    return llm
 
 
 def sampling_params(temperature: float, max_tokens: int, n: int) -> list:
@@ -178,6 +197,231 @@ def _runner_stats(llm) -> dict:
     return llm.collective_rpc("spec_tree_stats")[0]
 
 
+# --------------------------------------------------------------- interleaved
+
+MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+GiB = 1 << 30
+MEMORY_MARGIN = 2 * GiB  # left free beyond one more engine's RSS before building it
+
+
+@dataclass
+class LiveEngine:
+    """One engine of an interleaved run. ``collectors``: its Prometheus
+    metrics. Each engine's stat logger unregisters the previous engine's from
+    the global registry that ``llm.get_metrics()`` reads, so they are put back
+    before the engine runs. ``pids``: its processes (the engine core)."""
+
+    cfg: SpecConfig
+    llm: object
+    collectors: list
+    pids: list
+
+
+def rotation(n: int, r: int) -> list[int]:
+    """Indices of n configurations in round r's order (r from 0): it starts at r mod n."""
+    return [(r + i) % n for i in range(n)]
+
+
+def interleaved_schedule(n: int, levels, rounds: int, temperatures=(0.0,)) -> list[tuple]:
+    """(temperature, concurrency, round, configuration index) in run order."""
+    return [(t, c, r, i) for t in temperatures for c in levels for r in range(rounds) for i in rotation(n, r)]
+
+
+def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], max_tokens: int, levels,
+                    rounds: int, temperatures=(0.0,), log=None, progress=None, **engine_extra) -> dict:
+    """{(config, concurrency, temperature): RunResult} with every
+    configuration's engine alive at once (each warmed up once): per
+    temperature and level, ``rounds`` rounds in each of which every
+    configuration runs the whole prompt set, in rotated order (see
+    ``merge_rounds`` for what a RunResult then holds). log: takes a line of
+    text; progress: label -> callback(done, total)."""
+    log = log or (lambda line: None)
+    runs = {}
+    with _multiprocess_engines():
+        engines = start_engines(configs, model, prompts[0], log,
+                                **{"distributed_executor_backend": _executor_in_engine_core(), **engine_extra})
+        try:
+            for temp, level, r, i in interleaved_schedule(len(engines), levels, rounds, temperatures):
+                e = engines[i]
+                _use_collectors(e.collectors)
+                show = progress(f"{e.cfg.name} c{level} r{r + 1}/{rounds}") if progress else None
+                runs.setdefault((e.cfg, level, temp), []).append(
+                    _timed_run(e.llm, e.cfg, prompts, max_tokens, level, temp, show))
+            log("after the runs: " + memory_report(engines))
+        finally:
+            stop_engines(engines)
+    return {key: merge_rounds(v) for key, v in runs.items()}
+
+
+@contextmanager
+def _multiprocess_engines():
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 while the engines live, each in its own
+    engine-core process. vLLM freezes its environment once an engine core
+    starts in this process (an earlier in-process engine), so that cache is
+    dropped; the old value comes back afterwards."""
+    import vllm.envs as envs
+
+    old = os.environ.get(MP_ENV)
+    os.environ[MP_ENV] = "1"
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(MP_ENV, None)
+        else:
+            os.environ[MP_ENV] = old
+
+
+def _executor_in_engine_core():
+    """vLLM's single-process executor, as a class: the model runs inside the
+    engine-core process, as in the in-process mode. The string "uni" would not
+    do: with engines in their own processes vLLM-CPU turns it into its
+    multiprocess executor, which puts the model in one more process (+0.6 GiB)
+    and reserves a core for the engine core's busy polling (on a 2-core machine
+    the model then gets one thread instead of two: no-spec at half speed)."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return UniProcExecutor
+
+
+def start_engines(configs: list[SpecConfig], model: str, warmup_prompt: str, log, **engine_extra) -> list:
+    """One warmed-up LiveEngine per configuration; refuses to build one more
+    when the memory available would not hold it. On any failure the engines
+    already built are shut down."""
+    engines = []
+    try:
+        for cfg in configs:
+            if engines:
+                _check_memory_for_another(engines[-1])
+            before, t0 = _child_pids(), time.perf_counter()
+            llm = build_engine(cfg, model, warmup_prompt, **engine_extra)
+            engines.append(LiveEngine(cfg, llm, _vllm_collectors(), sorted(_child_pids() - before)))
+            log(f"{cfg.name}: engine ready ({time.perf_counter() - t0:.0f} s)")
+    except BaseException:
+        stop_engines(engines)
+        raise
+    log(memory_report(engines))
+    return engines
+
+
+def stop_engines(engines: list) -> None:
+    """Shut the engines' processes down, all at once (each may take vLLM's 5 s grace period)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(len(engines), 1)) as pool:
+        list(pool.map(lambda e: e.llm.llm_engine.engine_core.shutdown(), engines))
+    engines.clear()
+    gc.collect()
+
+
+def _child_pids() -> set:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _rss(pids) -> int:
+    import psutil
+
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def memory_report(engines: list) -> str:
+    import psutil
+
+    sizes = [_rss(e.pids) for e in engines]
+    return (f"{len(engines)} engines alive, RSS " + ", ".join(f"{e.cfg.name} {b / GiB:.2f}" for e, b in
+                                                              zip(engines, sizes))
+            + f" GiB; total {sum(sizes) / GiB:.1f} GiB + {psutil.Process().memory_info().rss / GiB:.1f} GiB this "
+              f"process; {psutil.virtual_memory().available / GiB:.1f} GiB still available")
+
+
+def _check_memory_for_another(last: LiveEngine) -> None:
+    import psutil
+
+    need, free = _rss(last.pids) + MEMORY_MARGIN, psutil.virtual_memory().available
+    if free < need:
+        raise MemoryError(f"spec-plugins bench --interleave: {free / GiB:.1f} GiB available, one more engine needs "
+                          f"about {need / GiB:.1f} GiB (the last one's RSS + {MEMORY_MARGIN / GiB:.0f} GiB margin): "
+                          "run fewer configurations at once")
+
+
+def _vllm_collectors() -> list:
+    """vLLM's Prometheus collectors now in the global registry (those of the engine built last)."""
+    from prometheus_client import REGISTRY
+
+    return [c for c in list(REGISTRY._collector_to_names) if getattr(c, "_name", "").startswith("vllm:")]
+
+
+def _use_collectors(collectors: list) -> None:
+    """Make these the vLLM metrics ``llm.get_metrics()`` reads (see LiveEngine)."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    unregister_vllm_metrics()
+    for c in collectors:
+        REGISTRY.register(c)
+
+
+def merge_rounds(runs: list[RunResult]) -> RunResult:
+    """One RunResult for a configuration's rounds: every round kept in
+    ``rounds`` (so tokens/s is the median round's, ratios pair rounds) and
+    its tokens/s in ``all_tokens_per_s``; tokens and finish reasons of the
+    first round (``same_outputs`` checks them all); seconds, tokens generated,
+    spec counters and runner stats summed."""
+    first = runs[0]
+    return RunResult(first.name, first.concurrency, first.temperature,
+                     all_tokens_per_s=[round(r.tokens_per_s, 2) for r in runs],
+                     tokens=first.tokens, finish_reasons=first.finish_reasons,
+                     seconds=sum(r.seconds for r in runs), generated=sum(r.generated for r in runs),
+                     drafts=sum(r.drafts for r in runs), accepted=sum(r.accepted for r in runs),
+                     accepted_per_depth=[sum(x) for x in zip_longest(*(r.accepted_per_depth for r in runs),
+                                                                     fillvalue=0)],
+                     runner=_sum_counters([r.runner for r in runs]), rounds=list(runs))
+
+
+def _sum_counters(stats: list[dict]) -> dict:
+    """Runner stats deltas of several runs added up (numbers, or dicts of numbers: budget_steps)."""
+    out = {}
+    for s in stats:
+        for k, v in s.items():
+            if isinstance(v, dict):
+                acc = out.setdefault(k, {})
+                for kk, vv in v.items():
+                    acc[kk] = acc.get(kk, 0) + vv
+            else:
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+def round_ratios(res: RunResult, ref: RunResult) -> list[float]:
+    """res tokens/s / ref tokens/s, round by round when both ran in the same
+    rounds (interleaved); else the one ratio of their tokens/s."""
+    pairs = list(zip(res.rounds, ref.rounds)) if res.rounds and ref.rounds else [(res, ref)]
+    return [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
+
+
+def paired_ratio(res: RunResult, ref: RunResult) -> float:
+    """The median of ``round_ratios``: a drift between rounds cancels out."""
+    return statistics.median(round_ratios(res, ref))
+
+
+def _outputs(run: RunResult) -> tuple:
+    return tuple(map(tuple, run.tokens)), tuple(run.finish_reasons)
+
+
+def same_outputs(res: RunResult, base: RunResult) -> bool:
+    """Every round of res and of base (or each one run) produced the same tokens and finish reasons."""
+    return len({_outputs(r) for r in (res.rounds or [res]) + (base.rounds or [base])}) == 1
+
+
 def first_difference(reference: list[int], got: list[int]) -> int | None:
     for i, (a, b) in enumerate(zip(reference, got)):
         if a != b:
@@ -189,23 +433,30 @@ def summarize(base: RunResult, res: RunResult, cfg: SpecConfig, peer: RunResult 
     """One table row. base: no speculation at the same concurrency and
     temperature; peer: vLLM's own chain with the same head there (None: none
     run). ``identical`` (to no speculation) is None for sampled runs: their
-    draws differ by design; their distribution is tested in the test suite."""
+    draws differ by design; their distribution is tested in the test suite.
+    Interleaved runs: tokens/s is the median round, ``speedup`` and
+    ``vs_vllm_chain`` the medians of the per-round ratios, and ``identical``
+    covers every round."""
     greedy = res.temperature == 0
     row = {"config": res.name, "concurrency": res.concurrency, "temperature": res.temperature,
            "tokens_per_s": round(res.tokens_per_s, 2), "all_tokens_per_s": res.all_tokens_per_s,
            "seconds": round(res.seconds, 2), "generated": res.generated,
-           "identical": (res.tokens == base.tokens and res.finish_reasons == base.finish_reasons) if greedy else None}
+           "identical": same_outputs(res, base) if greedy else None}
     if cfg.head is None:
         return row
     steps = cfg.shape[0]
     row.update({
         "head": cfg.head, "kind": cfg.kind, "shape": list(cfg.shape), "engine_chain": cfg.engine_chain,
-        "speedup": round(res.tokens_per_s / base.tokens_per_s, 3),
-        "vs_vllm_chain": round(res.tokens_per_s / peer.tokens_per_s, 3) if peer and peer is not res else None,
+        "speedup": round(paired_ratio(res, base), 3),
+        "vs_vllm_chain": round(paired_ratio(res, peer), 3) if peer and peer is not res else None,
         "drafts": res.drafts, "accepted": res.accepted,
         "tau": round(res.tau, 3) if res.tau else None,
         "tau_per_depth": [round(a / res.drafts, 3) if res.drafts else 0.0 for a in res.accepted_per_depth[:steps]],
     })
+    if res.rounds:  # interleaved: the per-round ratios behind the medians
+        row["all_speedup"] = [round(x, 3) for x in round_ratios(res, base)]
+        if row["vs_vllm_chain"]:
+            row["all_vs_vllm_chain"] = [round(x, 3) for x in round_ratios(res, peer)]
     r = res.runner
     if cfg.budget_menu:
         row["budget_menu"], row["budget_steps"] = cfg.budget_menu, r.get("budget_steps", {})

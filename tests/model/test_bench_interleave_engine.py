@@ -1,0 +1,43 @@
+"""``spec-plugins bench --interleave``: both engines alive at once, each in its
+own engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=1 for this mode
+only), two rounds; each row keeps both rounds' tokens/s, outputs match no
+speculation in every round, and vLLM's metrics (tau) and our runner's stats
+RPC come back from the engine-core processes. Tiny on purpose: two engines'
+startup is most of its time. Needs .venv-vllm (ci/setup_model_venv.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
+
+from spec_plugins import cli  # noqa: E402
+
+
+def test_bench_interleave_two_rounds(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the other engine tests run
+    out = tmp_path / "bench"
+    rc = cli.main(["bench", "--heads", "eagle3", "--shapes", "5,4,8", "--no-engine-chain", "--num-prompts", "2",
+                   "--max-tokens", "16", "--concurrency", "1", "--interleave", "2", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["interleave"] == 2
+    rows = data["rows"]
+    assert [r["config"] for r in rows] == ["no-spec", "eagle3 tree(5,4,8)"]
+    assert all(r["identical"] is True and len(r["all_tokens_per_s"]) == 2 for r in rows)
+    tree = rows[1]
+    assert tree["tau"] and tree["tau"] > 1.0 and tree["drafts"] > 0
+    assert len(tree["all_speedup"]) == 2 and tree["speedup"] > 0
+    # runner stats through the engine-core process: steps and timers summed over both rounds
+    assert tree["step_ms"]["target"] > 0 and tree["step_ms"]["head"] > 0
+    assert tree["cost_model"]["t_V_over_t_T"] > 0
+    err = capsys.readouterr().err
+    assert "2 engines alive, RSS" in err and "GiB still available" in err
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the mode's own setting does not leak

@@ -1,0 +1,116 @@
+"""``spec-plugins bench --interleave``: the arithmetic and the run order,
+without an engine (the engine run is tests/model/test_bench_interleave_engine.py).
+
+Rounds of one configuration collapse to the median round's tokens/s; ratios
+pair rounds (config / no-spec of the same round) and take the median, so a
+drift of the machine between rounds cancels; counters add up; a single
+differing round makes the row non-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from spec_plugins import cli
+from spec_plugins import vllm_bench as vb
+
+TREE = vb.SpecConfig(head="/heads/eagle3", kind="eagle3", shape=(5, 4, 8))
+CHAIN = vb.SpecConfig(head="/heads/eagle3", kind="eagle3", shape=(3, 1, 4), engine_chain=True)
+
+
+def run(name, tps, tokens=((1, 2, 3), (4, 5)), drafts=0, accepted=0, per_depth=(), runner=None):
+    return vb.RunResult(name, generated=100, seconds=100 / tps, tokens=[list(t) for t in tokens],
+                        finish_reasons=["length"] * len(tokens), drafts=drafts, accepted=accepted,
+                        accepted_per_depth=list(per_depth), runner=dict(runner or {}))
+
+
+def rounds(name, speeds, **kw):
+    return vb.merge_rounds([run(name, s, **kw) for s in speeds])
+
+
+def test_bench_rotation_starts_each_round_one_later():
+    assert [vb.rotation(3, r) for r in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    n = 5
+    orders = [vb.rotation(n, r) for r in range(n)]
+    assert all(sorted(o) == list(range(n)) for o in orders)  # every configuration once per round
+    for pos in range(n):  # over n rounds each configuration holds each position once
+        assert sorted(o[pos] for o in orders) == list(range(n))
+
+
+def test_bench_interleaved_schedule_order():
+    sched = vb.interleaved_schedule(2, [1, 4], 2, temperatures=(0.0, 0.8))
+    assert sched[:8] == [(0.0, 1, 0, 0), (0.0, 1, 0, 1), (0.0, 1, 1, 1), (0.0, 1, 1, 0),
+                         (0.0, 4, 0, 0), (0.0, 4, 0, 1), (0.0, 4, 1, 1), (0.0, 4, 1, 0)]
+    assert len(sched) == 16 and {t for t, *_ in sched[8:]} == {0.8}
+
+
+def test_bench_merge_rounds_median_and_sums():
+    runs = [run("t", 10.0, drafts=4, accepted=6, per_depth=[3, 2, 1],
+                runner={"steps": 5, "step_seconds": 1.5, "budget_steps": {"5,4,8": 2, "none": 1}}),
+            run("t", 30.0, drafts=2, accepted=1, per_depth=[1, 0],
+                runner={"steps": 3, "step_seconds": 0.5, "budget_steps": {"5,4,8": 1, "3,1,4": 4}}),
+            run("t", 20.0, drafts=1, accepted=1, per_depth=[1], runner={"steps": 1, "step_seconds": 0.25})]
+    m = vb.merge_rounds(runs)
+    assert m.tokens_per_s == pytest.approx(20.0)  # the median round, not the fastest
+    assert m.all_tokens_per_s == [10.0, 30.0, 20.0]
+    assert (m.drafts, m.accepted, m.accepted_per_depth) == (7, 8, [5, 2, 1])
+    assert m.tau == pytest.approx(1 + 8 / 7)
+    assert m.runner == {"steps": 9, "step_seconds": 2.25, "budget_steps": {"5,4,8": 3, "none": 1, "3,1,4": 4}}
+    assert m.generated == 300 and m.seconds == pytest.approx(10 + 100 / 30 + 5)
+    assert rounds("t", [10.0, 30.0]).tokens_per_s == pytest.approx(20.0)  # even count: mean of the middle two
+
+
+def test_bench_paired_ratios_cancel_drift():
+    """The machine slows down in round 3: the ratio of medians says 1.0, the
+    median of same-round ratios 1.1."""
+    base = rounds("no-spec", [100.0, 50.0, 200.0])
+    tree = rounds("tree", [120.0, 55.0, 100.0])
+    assert tree.tokens_per_s / base.tokens_per_s == pytest.approx(1.0)
+    assert vb.round_ratios(tree, base) == pytest.approx([1.2, 1.1, 0.5])
+    assert vb.paired_ratio(tree, base) == pytest.approx(1.1)
+    # runs without rounds: the plain ratio
+    assert vb.paired_ratio(run("a", 30.0), run("b", 20.0)) == pytest.approx(1.5)
+
+
+def test_bench_summarize_interleaved_row():
+    base = rounds("no-spec", [100.0, 50.0, 200.0])
+    peer = rounds(CHAIN.name, [110.0, 40.0, 250.0], drafts=3, accepted=3)
+    tree = rounds(TREE.name, [120.0, 55.0, 100.0], drafts=3, accepted=6,
+                  runner={"steps": 4, "step_seconds": 2.0, "head_seconds": 0.5, "bookkeeping_seconds": 0.1})
+    row = vb.summarize(base, tree, TREE, peer)
+    assert row["tokens_per_s"] == 100.0 and row["all_tokens_per_s"] == [120.0, 55.0, 100.0]
+    assert row["speedup"] == 1.1 and row["all_speedup"] == [1.2, 1.1, 0.5]
+    assert row["all_vs_vllm_chain"] == [round(120 / 110, 3), round(55 / 40, 3), 0.4]
+    assert row["vs_vllm_chain"] == round(120 / 110, 3)
+    assert row["identical"] is True and row["tau"] == 3.0 and row["step_ms"]["head"] == pytest.approx(125.0)
+    assert vb.summarize(base, peer, CHAIN, peer)["vs_vllm_chain"] is None
+    assert vb.summarize(base, base, vb.SpecConfig())["identical"] is True
+
+
+def test_bench_identity_sees_any_differing_round():
+    base = rounds("no-spec", [100.0, 100.0, 100.0])
+    odd = vb.merge_rounds([run("tree", 100.0), run("tree", 100.0, tokens=((1, 2, 9), (4, 5))), run("tree", 100.0)])
+    assert vb.summarize(base, odd, TREE)["identical"] is False
+    flaky_base = vb.merge_rounds([run("no-spec", 100.0), run("no-spec", 100.0), run("no-spec", 100.0, tokens=((1,),))])
+    assert vb.summarize(flaky_base, flaky_base, vb.SpecConfig())["identical"] is False
+    assert vb.summarize(flaky_base, rounds("tree", [100.0] * 3), TREE)["identical"] is False
+    # a finish reason counts too
+    stopped = vb.merge_rounds([run("tree", 100.0), run("tree", 100.0)])
+    stopped.rounds[1].finish_reasons = ["stop", "length"]
+    assert vb.summarize(rounds("no-spec", [100.0, 100.0]), stopped, TREE)["identical"] is False
+
+
+def test_bench_summarize_without_rounds_is_unchanged():
+    base, tree = run("no-spec", 20.0), run(TREE.name, 30.0, drafts=2, accepted=2)
+    row = vb.summarize(base, tree, TREE)
+    assert row["speedup"] == 1.5 and row["tokens_per_s"] == 30.0 and row["identical"] is True
+    assert "all_speedup" not in row
+    tree.tokens = [[1, 2, 3], [4, 6]]
+    assert vb.summarize(base, tree, TREE)["identical"] is False
+
+
+def test_bench_interleave_argument_errors(capsys):
+    assert cli.main(["bench", "--interleave", "0"]) == 2
+    assert "--interleave must be >= 1" in capsys.readouterr().out
+    assert cli.main(["bench", "--interleave", "2", "--repeats", "2"]) == 2
+    assert "--interleave replaces --repeats" in capsys.readouterr().out
