@@ -54,10 +54,16 @@ IMPL_ENV = "SPEC_TREE_KERNELS_IMPL"
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
+    """Triton is installed and imports. A missing or broken Triton is the
+    environment's (the reference still works); an error in our own Triton
+    module is ours and raises, so it never turns into a quiet fallback or a
+    skipped test."""
     try:
-        from . import triton_ops  # noqa: F401
-    except Exception:  # triton missing or broken: the reference still works
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
         return False
+    from . import triton_ops  # noqa: F401
     return True
 
 
