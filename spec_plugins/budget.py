@@ -649,8 +649,7 @@ class AcceptanceStats:
         accepted by those that reached d. A censored length L reached L and
         says nothing about depth L + 1."""
         if decay != 1.0:
-            att[:] = [v * decay for v in att]
-            acc[:] = [v * decay for v in acc]
+            _scale((att, acc), decay)
         for hist, cut in ((definite, 0), (censored, 1)):
             for L, n in hist.items():
                 for d in range(min(L + 1 - cut, D)):

@@ -32,7 +32,7 @@ class DraftTrees:
     is its parent's most likely child (the root: True). The top1 nodes from
     the root down are what a chain drafted from the same head would have
     drafted, so a verified tree also tells what a chain would have accepted
-    (``spec_plugins.budget.chain_counterfactual``)."""
+    (``chain_counterfactual``)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor

@@ -77,6 +77,19 @@ class TreeGroup:
     sampled: list = field(default_factory=list)  # indices (into rows) of requests that sample (temperature > 0)
     predict: torch.Tensor | None = None  # [B, T] int64 token after each node (the extend's input), after the walk
 
+    @property
+    def greedy(self) -> list[int]:
+        """Indices (into rows) of the requests that decode greedily."""
+        sampled = set(self.sampled)
+        return [i for i in range(len(self.rows)) if i not in sampled]
+
+
+def accepted_path_tensors(paths: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted node paths as (nodes [n, width] int64, -1 after each path's end;
+    accepted draft tokens [n] int64), on the host."""
+    return (torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.int64),
+            torch.tensor([len(p) - 1 for p in paths], dtype=torch.int64))
+
 
 @dataclass
 class DraftingStep:
@@ -348,14 +361,11 @@ class TreeRunnerMixin:
         length limit (``_accepted_paths``) only bounds the chain from below."""
         lengths, censored = [], []
         for T, g in groups.items():
-            sampled = set(g.sampled)
-            greedy = [i for i in range(len(g.rows)) if i not in sampled]
+            greedy = g.greedy
             if g.all_chains or not greedy:
                 continue
-            emitted = [self._accepted_paths[g.rows[i]] for i in greedy]
+            padded, length = accepted_path_tensors([self._accepted_paths[g.rows[i]] for i in greedy], T)
             full = torch.tensor([len(paths[g.rows[i]]) for i in greedy])
-            length = torch.tensor([len(p) - 1 for p in emitted])
-            padded = torch.tensor([p + [-1] * (T - len(p)) for p in emitted], dtype=torch.int64)
             chain, cut = chain_counterfactual(torch.tensor([g.parents[i] for i in greedy]),
                                               torch.tensor([g.top1[i] for i in greedy]), padded, length)
             cut |= (length + 1 < full) & (chain == length)
@@ -375,13 +385,12 @@ class TreeRunnerMixin:
                 T, device=logits.device)
             node_logits = logits[rows.flatten()].view(len(g.rows), T, -1)
             g.predict = node_logits.argmax(-1).to(torch.int64)  # the extend's next token at each node
-            sampled = set(g.sampled)
-            greedy = [i for i in range(len(g.rows)) if i not in sampled]
+            greedy = g.greedy
             if greedy:
                 res = self._verify_greedy(g, greedy)
                 for i, index, length in zip(greedy, res.accept_index.tolist(), res.accept_length.tolist()):
                     paths[g.rows[i]] = index[: length + 1]
-            if sampled:
+            if g.sampled:
                 res = self._verify_sampled(g, g.sampled, node_logits)
                 # the extend's next token on each accepted node is what the walk emitted after it
                 on_path = res.accept_index >= 0
@@ -483,9 +492,7 @@ class TreeRunnerMixin:
         for T, g in groups.items():
             paths = [self._accepted_paths[row] for row in g.rows]
             if any(p != list(range(len(p))) for p in paths):
-                width = g.max_depth + 1
-                moves.append((T, g, torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.int64),
-                              torch.tensor([len(p) - 1 for p in paths], dtype=torch.int64)))
+                moves.append((T, g, *accepted_path_tensors(paths, g.max_depth + 1)))
         if not moves:
             return
         for gid, kv_group in enumerate(self.kv_cache_config.kv_cache_groups):
