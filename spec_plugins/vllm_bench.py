@@ -185,12 +185,19 @@ def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concur
     return res
 
 
+def _combine_counters(a, b, sign: int):
+    """a + sign * b for a runner counter: a number, or a dict of numbers
+    (budget_steps; entries that come to 0 are dropped). None counts as 0."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a or {}, b or {}
+        both = {k: a.get(k, 0) + sign * b.get(k, 0) for k in {**a, **b}}
+        return {k: v for k, v in both.items() if v}
+    return (a or 0) + sign * (b or 0)
+
+
 def _counter_delta(after, before):
-    """after - before for a runner counter: a number, or a dict of numbers (budget_steps)."""
-    if isinstance(after, dict):
-        before = before or {}
-        return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
-    return after - (before or 0)
+    """after - before for a runner counter."""
+    return _combine_counters(after, before, -1)
 
 
 def _runner_stats(llm) -> dict:
@@ -392,12 +399,7 @@ def _sum_counters(stats: list[dict]) -> dict:
     out = {}
     for s in stats:
         for k, v in s.items():
-            if isinstance(v, dict):
-                acc = out.setdefault(k, {})
-                for kk, vv in v.items():
-                    acc[kk] = acc.get(kk, 0) + vv
-            else:
-                out[k] = out.get(k, 0) + v
+            out[k] = _combine_counters(out.get(k), v, 1)
     return out
 
 
