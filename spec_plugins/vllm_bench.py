@@ -1,11 +1,13 @@
 """vLLM side-by-side runs: no speculation vs vLLM's own EAGLE chain vs our chains and trees.
 
-The engine part of ``spec-plugins bench`` and ``spec-plugins check``: every
-configuration runs in this process, one after the other, on the same prompts
-(chat-templated), at each concurrency and temperature (greedy by default;
-temperature > 0 samples with top-p 0.9 and one seed per prompt), and greedy
-outputs are compared token for token with the no-speculation run. vLLM's own EAGLE chain with the same head
-(no ``additional_config``) is the peer every tree is measured against.
+``spec-plugins bench`` (repository only: not in the runtime wheel). The engine
+runs themselves are ``spec_plugins.vllm_runs`` (runtime: ``spec-plugins check``
+uses them), re-exported here. Every configuration runs in this process, one
+after the other, on the same prompts (chat-templated), at each concurrency and
+temperature (greedy by default; temperature > 0 samples with top-p 0.9 and one
+seed per prompt), and greedy outputs are compared token for token with the
+no-speculation run. vLLM's own EAGLE chain with the same head (no
+``additional_config``) is the peer every tree is measured against.
 Per configuration and concurrency:
 
 * tokens/s (wall clock of ``generate`` after a warm-up request; requests are
@@ -37,171 +39,29 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
 
-from spec_plugins.heads.vllm_check import _metric
-
-METHOD_OF_KIND = {"eagle3": "eagle3", "eagle1": "eagle"}
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """One configuration. head None = no speculation; engine_chain: vLLM's own
-    EAGLE chain of shape[0] tokens (no spec-plugins tree mode)."""
-
-    head: str | None = None  # head folder
-    kind: str | None = None  # "eagle1" | "eagle3"
-    shape: tuple | None = None  # (num_steps, topk, num_draft_tokens); topk 1 = chain
-    engine_chain: bool = False
-    budget_menu: str | None = None  # adaptive budget over this menu (shape: its largest entry)
-
-    @property
-    def name(self) -> str:
-        if self.head is None:
-            return "no-spec"
-        s, k, t = self.shape
-        if self.budget_menu:
-            return f"{self.kind} budget({self.budget_menu})"
-        if self.engine_chain:
-            return f"vllm {self.kind} chain({s})"
-        return f"{self.kind} chain({s})" if k == 1 else f"{self.kind} tree({s},{k},{t})"
-
-
-@dataclass
-class RunResult:
-    name: str
-    concurrency: int = 1
-    temperature: float = 0.0
-    all_tokens_per_s: list = field(default_factory=list)  # every repeat's / round's tokens/s
-    tokens: list = field(default_factory=list)  # per prompt: generated token ids
-    finish_reasons: list = field(default_factory=list)
-    seconds: float = 0.0
-    generated: int = 0
-    drafts: int = 0
-    accepted: int = 0
-    accepted_per_depth: list = field(default_factory=list)
-    runner: dict = field(default_factory=dict)
-    rounds: list = field(default_factory=list)  # interleaved: each round's RunResult (counters here: their sums)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Interleaved: the median round's tokens/s; else generated / seconds."""
-        if self.rounds:
-            return statistics.median(r.tokens_per_s for r in self.rounds)
-        return self.generated / self.seconds if self.seconds else 0.0
-
-    @property
-    def tau(self) -> float | None:
-        return 1 + self.accepted / self.drafts if self.drafts else None
-
-
-def engine_kwargs(model: str, max_model_len: int = 2048, **extra) -> dict:
-    kw = dict(model=model, dtype="float32", max_model_len=max_model_len, seed=0, distributed_executor_backend="uni",
-              enforce_eager=True, disable_log_stats=False, enable_prefix_caching=False,
-              kv_cache_memory_bytes=512 << 20)
-    kw.update(extra)
-    return kw
-
-
-def spec_kwargs(cfg: SpecConfig) -> dict:
-    if cfg.head is None:
-        return {}
-    s, k, t = cfg.shape
-    if cfg.engine_chain:
-        return {"speculative_config": {"method": METHOD_OF_KIND[cfg.kind], "model": cfg.head,
-                                       "num_speculative_tokens": s}}
-    tree = {"num_steps": s, "topk": k, "num_draft_tokens": t}
-    if cfg.budget_menu:
-        tree = {"budget": "auto", "menu": cfg.budget_menu}
-    return {"speculative_config": {"method": METHOD_OF_KIND[cfg.kind], "model": cfg.head},
-            "additional_config": {"spec_tree": tree}}
-
-
-def _spec_counts(llm) -> tuple[int, int, list]:
-    m = llm.get_metrics()
-    return (_metric(m, "vllm:spec_decode_num_drafts") or 0, _metric(m, "vllm:spec_decode_num_accepted_tokens") or 0,
-            list(_metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos") or []))
-
-
-SAMPLED_TOP_P = 0.9  # temperature > 0 runs sample with this top-p
-
-
-def run_config(cfg: SpecConfig, model: str, prompts: list[str], max_tokens: int, concurrency=1,
-               progress=None, temperatures=(0.0,), **engine_extra) -> RunResult | list[RunResult]:
-    """Build the engine, warm it up, then time generation of all prompts at
-    each temperature and concurrency (concurrency an int and one temperature:
-    one RunResult; else a list, temperature-major)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    llm = build_engine(cfg, model, prompts[0], **engine_extra)
-    levels = concurrency if isinstance(concurrency, (list, tuple)) else [concurrency]
-    results = [_timed_run(llm, cfg, prompts, max_tokens, c, t, progress) for t in temperatures for c in levels]
-    del llm
-    gc.collect()
-    return results if isinstance(concurrency, (list, tuple)) or len(temperatures) > 1 else results[0]
-
-
-def build_engine(cfg: SpecConfig, model: str, warmup_prompt: str, **engine_extra):
-    """The configuration's LLM, warmed up with one short greedy request."""
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(**engine_kwargs(model, **engine_extra), **spec_kwargs(cfg))
-    llm.generate([warmup_prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    return llm
-
-
-def sampling_params(temperature: float, max_tokens: int, n: int) -> list:
-    """One SamplingParams per prompt: greedy, or sampled with top-p and a seed per prompt."""
-    from vllm import SamplingParams
-
-    if temperature == 0:
-        return [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * n
-    return [SamplingParams(temperature=temperature, top_p=SAMPLED_TOP_P, seed=i, max_tokens=max_tokens)
-            for i in range(n)]
-
-
-def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concurrency: int, temperature: float,
-               progress) -> RunResult:
-    params = sampling_params(temperature, max_tokens, len(prompts))
-    d0, a0, p0 = _spec_counts(llm)
-    stats0 = _runner_stats(llm) if cfg.head and not cfg.engine_chain else {}
-    res = RunResult(cfg.name, concurrency=concurrency, temperature=temperature)
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        for out in llm.generate(prompts[i : i + concurrency], params[i : i + concurrency], use_tqdm=False):
-            res.tokens.append(list(out.outputs[0].token_ids))
-            res.finish_reasons.append(out.outputs[0].finish_reason)
-        if progress:
-            progress(min(i + concurrency, len(prompts)), len(prompts))
-    res.seconds = time.perf_counter() - t0
-    res.generated = sum(len(t) for t in res.tokens)
-    d1, a1, p1 = _spec_counts(llm)
-    res.drafts, res.accepted = d1 - d0, a1 - a0
-    res.accepted_per_depth = [b - a for a, b in zip(p0 or [0] * len(p1), p1)]
-    if stats0:
-        stats1 = _runner_stats(llm)
-        res.runner = {k: _counter_delta(stats1[k], stats0.get(k)) for k in stats1}
-    return res
-
-
-def _combine_counters(a, b, sign: int):
-    """a + sign * b for a runner counter: a number, or a dict of numbers
-    (budget_steps; entries that come to 0 are dropped). None counts as 0."""
-    if isinstance(a, dict) or isinstance(b, dict):
-        a, b = a or {}, b or {}
-        both = {k: a.get(k, 0) + sign * b.get(k, 0) for k in {**a, **b}}
-        return {k: v for k, v in both.items() if v}
-    return (a or 0) + sign * (b or 0)
-
-
-def _counter_delta(after, before):
-    """after - before for a runner counter."""
-    return _combine_counters(after, before, -1)
-
-
-def _runner_stats(llm) -> dict:
-    return llm.collective_rpc("spec_tree_stats")[0]
+# the engine part (part of the runtime distribution, for ``spec-plugins check``), re-exported here
+from spec_plugins.vllm_runs import (  # noqa: F401
+    METHOD_OF_KIND,
+    SAMPLED_TOP_P,
+    RunResult,
+    SpecConfig,
+    _combine_counters,
+    _counter_delta,
+    _metric,
+    _runner_stats,
+    _spec_counts,
+    _timed_run,
+    build_engine,
+    engine_kwargs,
+    first_difference,
+    run_config,
+    sampling_params,
+    spec_kwargs,
+)
 
 
 # --------------------------------------------------------------- interleaved
@@ -422,13 +282,6 @@ def _outputs(run: RunResult) -> tuple:
 def same_outputs(res: RunResult, base: RunResult) -> bool:
     """Every round of res and of base (or each one run) produced the same tokens and finish reasons."""
     return len({_outputs(r) for r in (res.rounds or [res]) + (base.rounds or [base])}) == 1
-
-
-def first_difference(reference: list[int], got: list[int]) -> int | None:
-    for i, (a, b) in enumerate(zip(reference, got)):
-        if a != b:
-            return i
-    return None if len(reference) == len(got) else min(len(reference), len(got))
 
 
 def summarize(base: RunResult, res: RunResult, cfg: SpecConfig, peer: RunResult | None = None) -> dict:

@@ -16,17 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-
-def _metric(metrics, name):
-    total = None
-    per_pos = None
-    for m in metrics:
-        if m.name == name:
-            if hasattr(m, "value"):
-                total = (total or 0) + m.value
-            elif hasattr(m, "values"):
-                per_pos = [a + b for a, b in zip(per_pos, m.values)] if per_pos else list(m.values)
-    return per_pos if per_pos is not None else total
+from spec_plugins.vllm_runs import _metric  # noqa: F401  (the tests import it from here)
 
 
 # The KV cache size is stated, never a fraction of free memory: on vLLM-CPU the

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
+from spec_plugins.vllm_runs import apply_chat_template  # noqa: F401  (runtime; re-exported)
+
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 
 
@@ -51,10 +53,3 @@ def _spread(items: list, n: int | None) -> list:
         return []
     step = len(items) / n
     return [items[int(i * step)] for i in range(n)]
-
-
-def apply_chat_template(tokenizer, text: str) -> str:
-    """The model's own chat template, one user turn, generation prompt added."""
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
