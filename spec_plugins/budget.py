@@ -25,13 +25,17 @@ The rule (``choose_shape``)
     puts ``None`` first, so a tie means no speculation.
 
 From what: costs (``CostTable``, seconds)
-    t_V(T, B) and d(shape, B), one value per measured key. Seeded by a startup
-    profile (``profile_plan`` lists a small grid of keys to time), refined
-    online: each observation moves its key's value towards the measurement
-    with weight max(ema_weight, 1/n) (n = observations of the key, the seed
-    counting as one: a running mean at first, then an exponentially decayed
-    average; default ema_weight 0.1). A key first seen online is seeded with its
-    interpolated estimate. Unmeasured keys:
+    t_V(T, B) and d(shape, B), one value per key. Seeded by a startup profile
+    (``profile_plan`` lists a small grid of keys to time; ``seed_verify`` /
+    ``seed_draft``), measured online (``observe_verify`` / ``observe_draft``).
+    A key's first online measurement replaces its seed or interpolated
+    estimate (a profile times a synthetic forward on a machine still starting
+    up: on vLLM-CPU two startups differed by 30 % at B = 16); each later one
+    moves the value towards the measurement with weight max(ema_weight, 1/n)
+    (n = online observations: a running mean at first, then an exponentially
+    decayed average; default ema_weight 0.1). ``noise`` tracks the log spread
+    of measurements around their key's value (decayed, starting at 0.2).
+    Keys without a measurement or a seed:
 
     * t_V(T, B): if T has >= 2 measured batch sizes, piecewise linear in B
       through them (for a fixed T that is piecewise linear in the step's token
@@ -48,6 +52,7 @@ From what: costs (``CostTable``, seconds)
       cheaper in the weight-bound regime, so this errs pessimistic); beyond
       the largest, the last segment's slope (never negative). A single point
       extends flat both ways. Profile the batch sizes you serve.
+    Measured values win over seeds in every rule above.
 
 From what: acceptance (``AcceptanceStats``)
     Per shape and depth d = 1..D (D = min(num_steps, T - 1), the deepest
@@ -94,11 +99,22 @@ How it adapts
       requests). An alarm (the draft or the prompt mix changed) multiplies
       every shape's counts by ``change_discount`` (0.02): all estimates
       restart from fresh data, which optimism then gathers quickly.
+    * The baseline first: at a batch size where plain decode's t_V(1, B) has
+      no online measurement, the policy runs no speculation (one step), so
+      speculation is never chosen against a profiled, possibly wrong, baseline.
     * Exploration by optimism (``BudgetPolicy``, deterministic): the choice
-      maximizes an *optimistic* rate, tau raised to
-      min(1 + D, tau + explore_bonus * D / sqrt(1 + n)) with n the shape's
-      decayed request count (explore_bonus 0.5), and no bonus once n reaches
-      ``explore_until`` (60 requests). An unmeasured shape is tried when even
+      maximizes an *optimistic* rate. Cost: each entry's step time is divided
+      by 1 - cost_bonus * noise / sqrt(1 + k), k = online measurements of its
+      t_V(T, B) (cost_bonus 1; at most a halving), so a cost measured once, or
+      only estimated, is re-measured until it is known to within the noise
+      (measured in vLLM: one noisy step made the chain look 15 % slower than
+      it was, and it never ran again at that batch size). Acceptance: tau
+      raised to min(1 + D, tau + explore_bonus * D / sqrt(1 + n)) with n the
+      shape's decayed evidence (explore_bonus 0.5), and no bonus once the
+      decayed number of requests the estimate rests on (``requests``: own,
+      and for chains a tree's paired ones) reaches ``explore_until`` (60), or
+      0.7 of what a shape run on every step holds, B / (1 - decay * age) (77
+      at B = 1; a shape alternating with another would never reach 60). An unmeasured shape is tried when even
       its optimistic rate could win; the bonus shrinks as requests are
       counted, stops once the shape is measured and returns as its counts
       age, so a shape that lost is re-tried rarely, and one that cannot win
@@ -120,7 +136,9 @@ How it adapts
     Simulated (tests/test_budget_policy.py, CPU-like costs, 500 steps): >=
     0.95x the best fixed shape at B = 1, 4, 8 and 16 over 32 seeds; at B = 1
     over prompts whose acceptance differs by up to 6x, >= 0.96x over 16 seeds
-    with paired chain evidence (0.88x without).
+    with paired chain evidence (0.88x without); with a profile 20 % off per
+    batch size and 15 % step noise, >= 0.93x at every B over 12 seeds (0.87x
+    before the baseline rule and cost optimism).
 
 What it costs
     Plain Python, no torch/numpy, no per-request Python loop (accepted lengths
@@ -311,7 +329,11 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 class _Curve:
-    """Measured points B -> [value, n] of one T (or one draft shape)."""
+    """Points of one T (or one draft shape): B -> [online value, online n, profile seed].
+
+    online value / n: the running (then decayed) mean of the online
+    observations and their count (capped); (None, 0) until the first one.
+    seed: the startup profile's value, or None."""
 
     __slots__ = ("xs", "pts")
 
@@ -319,13 +341,12 @@ class _Curve:
         self.xs: list[int] = []
         self.pts: dict[int, list] = {}
 
-    def put(self, x: int, value: float, n: float) -> None:
-        if x not in self.pts:
+    def point(self, x: int) -> list:
+        p = self.pts.get(x)
+        if p is None:
             bisect.insort(self.xs, x)
-        self.pts[x] = [value, n]
-
-    def ys(self) -> list[float]:
-        return [self.pts[x][0] for x in self.xs]
+            p = self.pts[x] = [None, 0.0, None, 0]
+        return p
 
 
 def _check_key(name: str, v) -> int:
@@ -364,6 +385,9 @@ class CostTable:
     see the module docstring.
     """
 
+    INITIAL_NOISE = 0.2  # step-time spread assumed before two observations of one key are in
+    NOISE_WEIGHT = 0.05
+
     def __init__(self, verify: Optional[Mapping] = None, draft: Optional[Mapping] = None, *,
                  ema_weight: float = 0.1, draft_fraction: float = 0.1):
         if not 0 < ema_weight <= 1:
@@ -376,10 +400,11 @@ class CostTable:
         self._draft: dict[TreeShape, _Curve] = {}
         self._version = 0
         self._pooled: dict[str, tuple] = {}
+        self._noise_sq = self.INITIAL_NOISE ** 2  # decayed mean squared log surprise of an observation
         for (T, B), s in (verify or {}).items():
-            self._curve(self._verify, _check_key("T", T)).put(_check_key("B", B), _check_seconds("verify", s), 1.0)
+            self.seed_verify(T, B, s)
         for (shape, B), s in (draft or {}).items():
-            self._curve(self._draft, _as_shape(shape)).put(_check_key("B", B), _check_seconds("draft", s, True), 1.0)
+            self.seed_draft(shape, B, s)
 
     @staticmethod
     def _curve(table: dict, key) -> _Curve:
@@ -388,75 +413,124 @@ class CostTable:
             c = table[key] = _Curve()
         return c
 
-    def _observe(self, table: dict, key, B: int, seconds: float, estimate) -> None:
-        prior = estimate() if B not in table.get(key, _Curve()).pts else None
-        self._version += 1  # after the estimate: it may cache the pooled curve of the old version
-        c = self._curve(table, key)
-        p = c.pts.get(B)
-        if p is None:
-            if prior is None:
-                c.put(B, seconds, 1.0)
-                return
-            p = [prior, 1.0]
-            c.put(B, *p)
-            p = c.pts[B]
+    def _observe(self, table: dict, key, B: int, seconds: float) -> None:
+        self._version += 1
+        p = self._curve(table, key).point(B)
+        if p[0] is not None and p[0] > 0 and seconds > 0:
+            surprise = math.log(seconds / p[0])
+            self._noise_sq += self.NOISE_WEIGHT * (surprise * surprise - self._noise_sq)
+        p[3] += 1
         n = p[1] + 1.0
-        p[0] += max(self.ema_weight, 1.0 / n) * (seconds - p[0])
-        p[1] = min(n, 1.0 / self.ema_weight + 1.0)
+        # the first online observation replaces the estimate: a profile seed may be biased
+        # (it times a synthetic forward, on a machine busy starting up) and interpolation more so
+        p[0] = seconds if p[0] is None else p[0] + max(self.ema_weight, 1.0 / n) * (seconds - p[0])
+        p[1] = min(n, 1.0 / self.ema_weight)
+
+    def _seed(self, table: dict, key, B: int, seconds: float) -> None:
+        self._version += 1
+        self._curve(table, key).point(B)[2] = seconds
+
+    def seed_verify(self, T: int, B: int, seconds: float) -> None:
+        """The startup profile's t_V(T, B): used until that key is observed online,
+        scaled by how online observations compare with the profile elsewhere."""
+        self._seed(self._verify, _check_key("T", T), _check_key("B", B), _check_seconds("verify", seconds))
+
+    def seed_draft(self, shape: TreeShape, B: int, seconds: float) -> None:
+        """The startup profile's d(shape, B) (see ``seed_verify``)."""
+        self._seed(self._draft, _as_shape(shape), _check_key("B", B), _check_seconds("draft", seconds, True))
 
     def observe_verify(self, T: int, B: int, seconds: float) -> None:
         """One measured verify (forward + sampling) of B requests x T tokens."""
         T, B = _check_key("T", T), _check_key("B", B)
-        seconds = _check_seconds("verify_seconds", seconds)
-        self._observe(self._verify, T, B, seconds, lambda: self._verify_estimate(T, B))
+        self._observe(self._verify, T, B, _check_seconds("verify_seconds", seconds))
 
     def observe_draft(self, shape: TreeShape, B: int, seconds: float) -> None:
         """One measured drafting step of B requests with this shape."""
         shape, B = _as_shape(shape), _check_key("B", B)
-        seconds = _check_seconds("draft_seconds", seconds, allow_zero=True)
-        self._observe(self._draft, shape, B, seconds, lambda: self._draft_estimate(shape, B))
+        self._observe(self._draft, shape, B, _check_seconds("draft_seconds", seconds, allow_zero=True))
 
-    def _pooled_curve(self, kind: str) -> Optional[tuple[list, list]]:
-        """(xs, ys) over tokens: verify x = B*T, y = t_V; draft x = B*topk, y = d/num_steps."""
-        hit = self._pooled.get(kind)
+    @property
+    def noise(self) -> float:
+        """Relative spread of one step's time around its key's estimate (a log standard deviation)."""
+        return math.sqrt(self._noise_sq)
+
+    def observations(self, T: int, B: int) -> int:
+        """How many times t_V(T, B) was measured online (never capped or decayed)."""
+        c = self._verify.get(T)
+        p = None if c is None else c.pts.get(B)
+        return 0 if p is None else p[3]
+
+    def observed(self, T: int, B: int) -> bool:
+        """Whether t_V(T, B) has been measured online (not only profiled or estimated)."""
+        c = self._verify.get(T)
+        return c is not None and B in c.pts and c.pts[B][0] is not None
+
+    @staticmethod
+    def _x(kind: str, key, B: int) -> tuple[int, int]:
+        """(tokens, divisor): verify x = B*T, y = t_V; draft x = B*topk, y = d/num_steps."""
+        return (B * key, 1) if kind == "verify" else (B * key.topk, key.num_steps)
+
+    def _point_value(self, kind: str, key, B: int, p: list) -> Optional[float]:
+        """A point's estimate: its online value, else its profile seed (None if neither)."""
+        if p[0] is not None:
+            return p[0]
+        return p[2]
+
+    def _cached(self, name: str, build):
+        hit = self._pooled.get(name)
         if hit is not None and hit[0] == self._version:
             return hit[1]
+        out = build(name.split("-")[0])
+        self._pooled[name] = (self._version, out)
+        return out
+
+    def _pooled_curve(self, kind: str) -> Optional[tuple[list, list]]:
+        """(xs, ys) over tokens of every point's estimate (``_x``), points at the same x averaged."""
+        return self._cached(kind + "-pooled", self._build_pooled)
+
+    def _build_pooled(self, kind: str) -> Optional[tuple[list, list]]:
         acc: dict[int, list] = {}
-        table = self._verify if kind == "verify" else self._draft
-        for key, c in table.items():
-            mult, per = (key, 1) if kind == "verify" else (key.topk, key.num_steps)
-            for B, (v, _) in c.pts.items():
-                a = acc.setdefault(B * mult, [0.0, 0])
+        for key, c in (self._verify if kind == "verify" else self._draft).items():
+            for B, p in c.pts.items():
+                v = self._point_value(kind, key, B, p)
+                if v is None:
+                    continue
+                x, per = self._x(kind, key, B)
+                a = acc.setdefault(x, [0.0, 0])
                 a[0] += v / per
                 a[1] += 1
         xs = sorted(acc)
-        out = (xs, [acc[x][0] / acc[x][1] for x in xs]) if xs else None
-        self._pooled[kind] = (self._version, out)
-        return out
+        return (xs, [acc[x][0] / acc[x][1] for x in xs]) if xs else None
 
-    def _estimate(self, c: Optional[_Curve], B: int, kind: str, mult: int, per: int) -> Optional[float]:
+    def _estimate(self, c: Optional[_Curve], key, B: int, kind: str) -> Optional[float]:
+        mult, per = (key, 1) if kind == "verify" else (key.topk, key.num_steps)
+        known = []  # (B, value) of this key's points with an estimate
         if c is not None:
-            p = c.pts.get(B)
-            if p is not None:
-                return p[0]
-            if len(c.xs) >= 2:
-                return _interp(c.xs, c.ys(), B)
+            for x in c.xs:
+                v = self._point_value(kind, key, x, c.pts[x])
+                if v is not None:
+                    known.append((x, v))
+            hit = dict(known).get(B)
+            if hit is not None:
+                return hit
+            if len(known) >= 2:
+                return _interp([x for x, _ in known], [v for _, v in known], B)
         pooled = self._pooled_curve(kind)
         if pooled is None:
             return None
         g = per * _interp(*pooled, B * mult)
-        if c is not None and c.xs:
-            B0 = c.xs[0]
+        if known:
+            B0, v0 = known[0]
             g0 = per * _interp(*pooled, B0 * mult)
             if g0 > 0:
-                g *= c.pts[B0][0] / g0
+                g *= v0 / g0
         return g
 
     def _verify_estimate(self, T: int, B: int) -> Optional[float]:
-        return self._estimate(self._verify.get(T), B, "verify", T, 1)
+        return self._estimate(self._verify.get(T), T, B, "verify")
 
     def _draft_estimate(self, shape: TreeShape, B: int) -> Optional[float]:
-        est = self._estimate(self._draft.get(shape), B, "draft", shape.topk, shape.num_steps)
+        est = self._estimate(self._draft.get(shape), shape, B, "draft")
         if est is None:
             base = self._verify_estimate(1, B)
             est = None if base is None else shape.num_steps * self.draft_fraction * base
@@ -483,8 +557,10 @@ class CostTable:
 
     def measured(self) -> dict:
         """{"verify": {(T, B): s}, "draft": {(label, B): s}}: the current per-key values (for logs)."""
-        return {"verify": {(T, B): p[0] for T, c in self._verify.items() for B, p in c.pts.items()},
-                "draft": {(shape_label(s), B): p[0] for s, c in self._draft.items() for B, p in c.pts.items()}}
+        return {"verify": {(T, B): self._point_value("verify", T, B, p) for T, c in self._verify.items()
+                           for B, p in c.pts.items()},
+                "draft": {(shape_label(s), B): self._point_value("draft", s, B, p) for s, c in self._draft.items()
+                          for B, p in c.pts.items()}}
 
 
 # ----------------------------------------------------------------- acceptance
@@ -554,6 +630,9 @@ class AcceptanceStats:
         self._pair_att = [[0.0] * Dc if keys[i] != "chain" else [] for i in range(n)]
         self._pair_acc = [[0.0] * Dc if keys[i] != "chain" else [] for i in range(n)]
         self._paired_seen = [0] * n  # tree steps' requests ever paired with chain evidence (never decayed)
+        # requests observed, own or (chains) a tree's paired ones, censored included; decayed
+        # like the counts: how much the estimate rests on, for the exploration bonus
+        self._requests = [0.0] * n
         self._index = {s: i for i, s in enumerate(self.shapes)}
         self._rates: Optional[list[list[float]]] = None
         self._snap: Optional[tuple[list[float], list[float]]] = None
@@ -590,18 +669,20 @@ class AcceptanceStats:
         if hist and self.change_threshold > 0 and self._att[g][0] >= 2 * self.min_evidence:
             self._detect_change(shape, hist)
         if self.age != 1.0:
-            for rows in (self._att, self._acc, self._pair_att, self._pair_acc):
+            for rows in (self._att, self._acc, self._pair_att, self._pair_acc, (self._requests,)):
                 _scale(rows, self.age)
         self._rates = self._snap = None
         if not hist:
             return
         self._add(self._att[g], self._acc[g], hist, {}, _depth(shape), self.decay)
+        self._requests[g] = self._requests[g] * self.decay + sum(hist.values())
         if chain is not None:
             definite, censored = chain
             c = self._chain_g
             self._add(self._att[c], self._acc[c], definite, censored, self._gD[c], self.decay)
             self._add(self._pair_att[g], self._pair_acc[g], definite, censored, self._gD[c], self.decay)
             self._paired_seen[g] += sum(definite.values()) + sum(censored.values())
+            self._requests[c] = self._requests[c] * self.decay + sum(definite.values()) + sum(censored.values())
 
     def _histogram(self, shape: Shape, lengths, what: str) -> dict[int, int]:
         """{length: requests}, every length checked to lie in 0..depth(shape)."""
@@ -672,7 +753,7 @@ class AcceptanceStats:
         up = max(0.0, self._cusum[0] + z - self.change_slack)
         down = max(0.0, self._cusum[1] - z - self.change_slack)
         if up > self.change_threshold or down > self.change_threshold:
-            for rows in (self._att, self._acc, self._pair_att, self._pair_acc):
+            for rows in (self._att, self._acc, self._pair_att, self._pair_acc, (self._requests,)):
                 _scale(rows, self.change_discount)
             self.changes += 1
             up = down = 0.0
@@ -681,6 +762,11 @@ class AcceptanceStats:
     def paired(self, shape: Shape) -> int:
         """Requests of this tree ever paired with chain evidence (never decayed; 0 for chains and None)."""
         return 0 if shape is None else self._paired_seen[self._gi(shape)]
+
+    def requests(self, shape: Shape) -> float:
+        """Decayed number of requests this shape's estimate rests on (all chains
+        together; for chains also a tree's paired requests, censored or not); inf for None."""
+        return math.inf if shape is None else self._requests[self._gi(shape)]
 
     def evidence(self, shape: Shape) -> float:
         """Decayed number of requests observed with this shape (depth-1
@@ -822,14 +908,17 @@ class BudgetPolicy:
     the policy runs no speculation until a verify time is recorded, then
     estimates the rest from it). acceptance: default ``AcceptanceStats(menu)``.
     Knobs: hysteresis, explore_bonus, explore_until, explore_every,
-    stale_after, explore_floor (module docstring). ``explorations`` counts the steps whose
+    stale_after, explore_floor, cost_bonus (module docstring). ``explorations`` counts the steps whose
     entry was not the best by expected rate (optimism or a stale re-check);
     ``last_rates`` holds the expected tokens/s of each entry at the last step.
     """
 
+    SATURATED = 0.7  # share of the decayed count a shape run on every step reaches
+
     def __init__(self, menu, costs: Optional[CostTable] = None, *, acceptance: Optional[AcceptanceStats] = None,
                  hysteresis: float = 0.03, explore_every: int = 16, explore_bonus: float = 0.5,
-                 stale_after: int = 256, explore_floor: float = 0.8, explore_until: float = 60.0):
+                 stale_after: int = 256, explore_floor: float = 0.8, explore_until: float = 60.0,
+                 cost_bonus: float = 1.0):
         self.menu: tuple[Shape, ...] = parse_menu(menu if isinstance(menu, str) else list(menu))
         self.costs = costs if costs is not None else CostTable()
         self.acceptance = acceptance if acceptance is not None else AcceptanceStats(self.menu)
@@ -840,13 +929,15 @@ class BudgetPolicy:
                             explore_every >= 0), ("explore_bonus", explore_bonus, explore_bonus >= 0),
                             ("stale_after", stale_after, stale_after >= 1),
                             ("explore_floor", explore_floor, 0 <= explore_floor <= 1),
-                            ("explore_until", explore_until, explore_until >= 0)):
+                            ("explore_until", explore_until, explore_until >= 0),
+                            ("cost_bonus", cost_bonus, cost_bonus >= 0)):
             if not ok:
                 raise ValueError(f"{name}={v!r} is out of range")
         self.hysteresis, self.explore_every = float(hysteresis), int(explore_every)
         self.explore_bonus, self.stale_after = float(explore_bonus), int(stale_after)
         self.explore_floor = float(explore_floor)
         self.explore_until = float(explore_until)
+        self.cost_bonus = float(cost_bonus)
         self._index = {s: i for i, s in enumerate(self.menu)}
         self._entries = [(s, verify_tokens(s), 0 if s is None else _depth(s),
                           None if s is None else self.acceptance.shapes.index(s)) for s in self.menu]
@@ -875,21 +966,29 @@ class BudgetPolicy:
     def _rates_now(self, B: int) -> tuple[list[float], list[float]]:
         """(expected, optimistic) tokens/s of every entry at batch size B."""
         taus, evidence = self.acceptance.snapshot()
+        # a shape run on every step holds about B / (1 - decay * age) decayed requests
+        # (77 at B = 1): "enough" must stay below that, or a busy shape never stops exploring
+        acc = self.acceptance
+        enough = min(self.explore_until, self.SATURATED * B / max(1e-9, 1.0 - acc.decay * acc.age))
         costs, bonus = self.costs, self.explore_bonus
+        cost_doubt = self.cost_bonus * costs.noise
         rates, optimistic = [], []
         for s, T, D, j in self._entries:
+            # optimism about the cost: a step time measured k times at this batch size is
+            # known to within noise / sqrt(1 + k), one never measured to within the noise
+            cheaper = 1.0 / (1.0 - min(0.5, cost_doubt / math.sqrt(1.0 + costs.observations(T, B))))
             if s is None:
                 r = B / costs.verify_time(1, B)
                 rates.append(r)
-                optimistic.append(r)
+                optimistic.append(r * cheaper)
                 continue
             tau = taus[j]
             r = B * tau / (costs.verify_time(T, B) + costs.draft_time(s, B))
             rates.append(r)
             n = evidence[j]
-            measured = max(n, self.acceptance.paired(s))
-            lift = bonus * self._lift_depth[j] / math.sqrt(1.0 + n) if measured < self.explore_until else 0.0
-            optimistic.append(r * min(1.0 + D, tau + lift) / tau)
+            measured = max(acc.requests(s), self.acceptance.paired(s))
+            lift = bonus * self._lift_depth[j] / math.sqrt(1.0 + n) if measured < enough else 0.0
+            optimistic.append(r * cheaper * min(1.0 + D, tau + lift) / tau)
         return rates, optimistic
 
     def step(self, batch_size: int) -> Shape:
@@ -908,7 +1007,10 @@ class BudgetPolicy:
             return self.menu[choice]
         self.last_rates = rates
         self._incumbent = choice = _pick(optimistic, self._incumbent, self.hysteresis)
-        if self.explore_every and t % self.explore_every == 0:
+        if not self.costs.observed(1, batch_size):
+            # the baseline's cost at a new batch size is measured, not trusted to the profile
+            choice = self._index[None]
+        elif self.explore_every and t % self.explore_every == 0:
             floor = self.explore_floor * rates[choice]
             stale = [i for i, r in enumerate(rates)
                      if i != choice and t - self._last_run[i] >= self.stale_after and r >= floor]

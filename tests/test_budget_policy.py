@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 
 import pytest
@@ -128,19 +129,25 @@ def test_draft_interpolation_rules():
 
 def test_cost_online_refinement_is_a_decayed_average():
     costs = CostTable({(8, 4): 1.0}, ema_weight=0.1)
-    costs.observe_verify(8, 4, 2.0)  # the profile point counts as one observation: running mean
-    assert costs.verify_time(8, 4) == pytest.approx(1.5)
-    costs.observe_verify(8, 4, 2.0)
-    assert costs.verify_time(8, 4) == pytest.approx(1.5 + (2.0 - 1.5) / 3)
+    assert not costs.observed(8, 4) and costs.observations(8, 4) == 0
+    costs.observe_verify(8, 4, 2.0)  # the first measurement replaces the profile seed
+    assert costs.verify_time(8, 4) == pytest.approx(2.0)
+    assert costs.observed(8, 4) and costs.observations(8, 4) == 1
+    costs.observe_verify(8, 4, 3.0)  # then a running mean
+    assert costs.verify_time(8, 4) == pytest.approx(2.5)
     for _ in range(200):
         costs.observe_verify(8, 4, 3.0)
     assert costs.verify_time(8, 4) == pytest.approx(3.0, rel=1e-6)
+    assert costs.observations(8, 4) == 202  # counted, never capped
     # once 1/ema_weight observations are in, each new one moves the value by exactly ema_weight
     costs.observe_verify(8, 4, 4.0)
     assert costs.verify_time(8, 4) == pytest.approx(3.1)
-    # a new key starts from its interpolated estimate, weighted as one observation
+    # a new key takes its first measurement as is (no blend with the interpolated estimate)
     costs.observe_verify(8, 16, 10.0)
-    assert costs.verify_time(8, 16) == pytest.approx((3.1 + 10.0) / 2)
+    assert costs.verify_time(8, 16) == pytest.approx(10.0)
+    # a seed added after measurements does not override them
+    costs.seed_verify(8, 16, 1.0)
+    assert costs.verify_time(8, 16) == pytest.approx(10.0)
     # an empty table takes the first observation as is
     empty = CostTable()
     empty.observe_verify(1, 2, 0.07)
@@ -150,6 +157,22 @@ def test_cost_online_refinement_is_a_decayed_average():
             empty.observe_verify(1, 2, bad)
     with pytest.raises(ValueError, match="B=0"):
         empty.observe_verify(1, 0, 0.1)
+    with pytest.raises(ValueError, match="verify"):
+        empty.seed_verify(1, 2, -1.0)
+
+
+def test_cost_noise_is_the_spread_of_repeated_measurements():
+    """The step-time noise the policy's cost optimism uses: the log spread of each
+    observation around its key's running estimate, starting from INITIAL_NOISE."""
+    costs = CostTable()
+    assert costs.noise == pytest.approx(CostTable.INITIAL_NOISE)
+    for _ in range(300):
+        costs.observe_verify(1, 1, 0.05)
+    assert costs.noise < 0.01  # identical measurements: no spread left
+    rng = random.Random(0)
+    for _ in range(2000):
+        costs.observe_verify(1, 1, 0.05 * math.exp(rng.gauss(0.0, 0.2)))
+    assert 0.15 < costs.noise < 0.3  # a 20 % spread is found (the running mean moves too: > 0.2)
 
 
 # ------------------------------------------------------------- acceptance
@@ -239,9 +262,15 @@ def test_acceptance_prior_and_transfer():
 
 def _flat_costs():
     """t_V(T, B) = 0.04 + 0.001*B*T, drafts free: a world where T matters only with B."""
-    v = {(T, B): 0.04 + 0.001 * B * T for T in (1, 4, 6, 8) for B in (1, 64)}
-    d = {(s, B): 0.0 for s in (C3, C5, T548) for B in (1, 64)}
-    return CostTable(v, d)
+    costs = CostTable()
+    for _ in range(100):  # measured often and exactly: no cost uncertainty left to explore
+        for T in (1, 4, 6, 8):
+            for B in (1, 64):
+                costs.observe_verify(T, B, 0.04 + 0.001 * B * T)
+        for s in (C3, C5, T548):
+            for B in (1, 64):
+                costs.observe_draft(s, B, 0.0)
+    return costs
 
 
 def test_choose_shape_maximises_tokens_per_second():
@@ -469,10 +498,54 @@ def test_simulation_policy_keeps_up_with_best_fixed_shape(B):
     assert max(fixed, key=fixed.get) == EXPECTED_BEST[B]
     rate, picks, policy = run_policy(B)
     assert throughput_violations(rate, fixed) == [], (B, rate, fixed, policy.counters())
-    # it picks the best shape most of the time, and more so once it has learnt
-    assert picks.count(EXPECTED_BEST[B]) / len(picks) >= 0.6, (B, policy.counters())
-    assert picks[100:].count(EXPECTED_BEST[B]) / len(picks[100:]) >= 0.7, (B, policy.counters())
     assert sum(policy.counters().values()) == len(picks)
+    # it picks the best shape most of the time, and more so once it has learnt (over 8
+    # seeds: at B=1, where the tree is only 15 % ahead, single seeds settle 0.62..1.0)
+    share = [[], []]
+    for seed in range(8):
+        picks = run_policy(B, seed=seed)[1]
+        share[0].append(picks.count(EXPECTED_BEST[B]) / len(picks))
+        share[1].append(picks[100:].count(EXPECTED_BEST[B]) / len(picks[100:]))
+    assert sum(share[0]) / 8 >= 0.7 and sum(share[1]) / 8 >= 0.8, (B, share)
+
+
+def runner_profile(rng, spread):
+    """What the vLLM runner profiles at startup: plain decode only, B = 1, 2, 4 .. 64,
+    each value off by a log-normal factor (a synthetic forward on a machine still
+    starting up: on vLLM-CPU two startups differed by 30 % at B = 16)."""
+    return CostTable({(1, b): true_verify(1, b) * math.exp(rng.gauss(0.0, spread)) for b in (1, 2, 4, 8, 16, 32, 64)})
+
+
+@pytest.mark.parametrize("B", [1, 4, 8, 16])
+def test_simulation_with_a_misleading_profile_and_noisy_steps(B, monkeypatch):
+    """The profile is 20 % off per batch size, knows no T > 1 and no draft cost, and
+    each step's time varies by 15 %: the policy measures the baseline at each new
+    batch size and explores costs it has measured too rarely to trust. Over 12
+    seeds the worst ratios to the best fixed shape were 0.928 (B=1), 0.948, 0.972
+    and 0.950 (B=16, where the best is no speculation); before the baseline rule
+    and cost optimism: 0.950, 0.897, 0.919, 0.866."""
+    monkeypatch.setattr(sys.modules[__name__], "NOISE", 0.15)
+    ratios = []
+    for seed in range(12):
+        fixed = {s: run_fixed(s, B, steps=300, seed=seed) for s in MENU}
+        policy = BudgetPolicy(MENU, runner_profile(random.Random(1000 + seed), 0.2))
+        rate, _ = simulate(policy.step, policy.record, lambda t: B, 300, seed)
+        ratios.append(rate / max(fixed.values()))
+        assert rate >= 0.92 * fixed[None], (seed, policy.counters())
+    assert min(ratios) >= 0.92 and sum(ratios) / len(ratios) >= 0.965, ratios
+
+
+def test_policy_measures_the_baseline_at_each_new_batch_size():
+    """A profile that makes plain decode look slow (2x) at every batch size: the
+    policy still runs no speculation once at each batch size it meets, and so
+    finds that plain decode wins at B=16."""
+    profile = CostTable({(1, b): 2 * true_verify(1, b) for b in (1, 4, 16)})
+    policy = BudgetPolicy(MENU, profile)
+    picks = [policy.step(16) for _ in range(1)]
+    assert picks == [None]  # before anything else: the baseline's real cost
+    policy.record(None, 16, true_verify(1, 16))
+    _, picks = simulate(policy.step, policy.record, lambda t: 16, 200, 0)
+    assert picks[50:].count(None) >= 0.9 * 150, policy.counters()
 
 
 def test_simulation_negative_controls_fail_the_bounds():
@@ -481,9 +554,10 @@ def test_simulation_negative_controls_fail_the_bounds():
     assert throughput_violations(fixed16[T548], fixed16) != []
     fixed1 = {s: run_fixed(s, 1) for s in MENU}
     assert throughput_violations(fixed1[None], fixed1) != []
-    # a policy that ignores the batch size (always the B=1 winner) also fails at 16
-    stuck = BudgetPolicy(MENU, startup_profile(random.Random(5)))
-    rate16, _ = simulate(lambda b: stuck.step(1), stuck.record, lambda t: 16, 300, 0)
+    # a policy that ignores the batch size (keeps what it learnt at B=1) also fails at 16
+    stuck = run_policy(1, steps=300, seed=5)[2].incumbent
+    assert stuck is not None
+    rate16, _ = simulate(lambda b: stuck, lambda *a: None, lambda t: 16, 300, 0)
     assert throughput_violations(rate16, fixed16) != []
 
 
