@@ -120,7 +120,8 @@ def log_line(line: str) -> None:
     print(f"spec-plugins: {line}", file=sys.stderr, flush=True)
 
 
-def run_all(model, configs, prompts, max_tokens, levels: list[int], repeats: int = 1, temperatures=(0.0,)):
+def run_all(model, configs, prompts, max_tokens, levels: list[int], repeats: int = 1, temperatures=(0.0,),
+            load: str = "steady"):
     """{(config, concurrency, temperature): RunResult}; one engine per configuration
     and repeat, every level and temperature on it. With repeats, the configurations run in alternating order
     (forward, backward, ...) so a drift of the shared machine hits all alike, and
@@ -135,7 +136,7 @@ def run_all(model, configs, prompts, max_tokens, levels: list[int], repeats: int
             print(f"spec-plugins: {cfg.name}" + (f" (repeat {r + 1}/{repeats})" if repeats > 1 else ""),
                   file=sys.stderr, flush=True)
             runs = vr.run_config(cfg, model, texts, max_tokens, list(levels), progress=progress_printer(cfg.name),
-                                 temperatures=list(temperatures))
+                                 temperatures=list(temperatures), load=load)
             for run in runs:
                 key = (cfg, run.concurrency, run.temperature)
                 best = results.get(key)
@@ -243,9 +244,11 @@ def cmd_bench(args) -> int:
                           budget_menus=args.budget)
     if args.interleave:
         results = vb.run_interleaved(configs, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
-                                     args.interleave, args.temperatures, log=log_line, progress=progress_printer)
+                                     args.interleave, args.temperatures, log=log_line, progress=progress_printer,
+                                     load=args.load)
     else:
-        results = run_all(model, configs, prompts, args.max_tokens, args.concurrency, args.repeats, args.temperatures)
+        results = run_all(model, configs, prompts, args.max_tokens, args.concurrency, args.repeats, args.temperatures,
+                          args.load)
     rows = []
     for temp in args.temperatures:
         for level in args.concurrency:
@@ -255,7 +258,8 @@ def cmd_bench(args) -> int:
                                          results[(peer, level, temp)] if peer else None))
     meta = {"model": model, "prompts": [pid for pid, _ in prompts], "max_tokens": args.max_tokens,
             "repeats": args.repeats, "interleave": args.interleave, "temperatures": args.temperatures,
-            "sampled_top_p": vb.SAMPLED_TOP_P, "concurrency": args.concurrency, "engine": _engine_version()}
+            "sampled_top_p": vb.SAMPLED_TOP_P, "concurrency": args.concurrency, "load": args.load,
+            "engine": _engine_version()}
     vb.write_report(rows, meta, Path(args.out))
     print(vb.table(rows))
     print(f"spec-plugins bench: wrote {args.out}/results.json, results.md, bench.png")
@@ -412,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     common(bench, DEFAULT_SHAPES, 8, 64, ["eagle3", "eagle1"])
     bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
                        help="requests in flight at once; each level runs on the same engines (default: 1 8)")
+    bench.add_argument("--load", choices=("steady", "waves"), default="steady",
+                       help="steady: keep --concurrency requests in flight, the next prompt added as one finishes "
+                            "(a server's steady load; vLLM's bench serve --max-concurrency); waves: --concurrency "
+                            "prompts per generate call, the next wave once all are done (results before "
+                            "2026-12-01 used waves)")
     bench.add_argument("--repeats", type=int, default=1,
                        help="run every configuration this many times (alternating order), keep the fastest")
     bench.add_argument("--interleave", type=int, default=None, metavar="ROUNDS",

@@ -95,7 +95,8 @@ def interleaved_schedule(n: int, levels, rounds: int, temperatures=(0.0,)) -> li
 
 
 def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], max_tokens: int, levels,
-                    rounds: int, temperatures=(0.0,), log=None, progress=None, **engine_extra) -> dict:
+                    rounds: int, temperatures=(0.0,), log=None, progress=None, load: str = "steady",
+                    **engine_extra) -> dict:
     """{(config, concurrency, temperature): RunResult} with every
     configuration's engine alive at once (each warmed up once): per
     temperature and level, ``rounds`` rounds in each of which every
@@ -113,7 +114,7 @@ def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], m
                 _use_collectors(e.collectors)
                 show = progress(f"{e.cfg.name} c{level} r{r + 1}/{rounds}") if progress else None
                 runs.setdefault((e.cfg, level, temp), []).append(
-                    _timed_run(e.llm, e.cfg, prompts, max_tokens, level, temp, show))
+                    _timed_run(e.llm, e.cfg, prompts, max_tokens, level, temp, show, load))
             log("after the runs: " + memory_report(engines))
         finally:
             stop_engines(engines)

@@ -14,6 +14,7 @@ imported on use only.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import statistics
 import time
@@ -116,17 +117,20 @@ def _spec_counts(llm) -> tuple[int, int, list]:
 
 
 SAMPLED_TOP_P = 0.9  # temperature > 0 runs sample with this top-p
+_REQUEST_IDS = itertools.count()  # request ids unique across runs on one engine
 
 
 def run_config(cfg: SpecConfig, model: str, prompts: list[str], max_tokens: int, concurrency=1,
-               progress=None, temperatures=(0.0,), **engine_extra) -> RunResult | list[RunResult]:
+               progress=None, temperatures=(0.0,), load: str = "steady", **engine_extra) -> RunResult | list[RunResult]:
     """Build the engine, warm it up, then time generation of all prompts at
     each temperature and concurrency (concurrency an int and one temperature:
-    one RunResult; else a list, temperature-major)."""
+    one RunResult; else a list, temperature-major). load: "steady" (keep
+    ``concurrency`` requests in flight) or "waves" (``concurrency`` prompts
+    per generate call)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = build_engine(cfg, model, prompts[0], **engine_extra)
     levels = concurrency if isinstance(concurrency, (list, tuple)) else [concurrency]
-    results = [_timed_run(llm, cfg, prompts, max_tokens, c, t, progress) for t in temperatures for c in levels]
+    results = [_timed_run(llm, cfg, prompts, max_tokens, c, t, progress, load) for t in temperatures for c in levels]
     del llm
     gc.collect()
     return results if isinstance(concurrency, (list, tuple)) or len(temperatures) > 1 else results[0]
@@ -151,19 +155,55 @@ def sampling_params(temperature: float, max_tokens: int, n: int) -> list:
             for i in range(n)]
 
 
+LOADS = ("steady", "waves")
+
+
+def _steady(llm, prompts: list[str], params: list, concurrency: int, progress) -> list:
+    """Keep ``concurrency`` requests in flight: the next prompt is added as soon
+    as one finishes (what a server sees under a steady load; vLLM's ``bench
+    serve --max-concurrency``). Outputs in prompt order."""
+    engine = llm.llm_engine
+    index: dict[str, int] = {}
+    outputs: list = [None] * len(prompts)
+    added = done = 0
+    while done < len(prompts):
+        while added < len(prompts) and added - done < concurrency:
+            request_id = f"bench-{next(_REQUEST_IDS)}"
+            index[request_id] = index[engine.add_request(request_id, prompts[added], params[added])] = added
+            added += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[index[out.request_id]] = out
+                done += 1
+                if progress:
+                    progress(done, len(prompts))
+    return outputs
+
+
+def _waves(llm, prompts: list[str], params: list, concurrency: int, progress) -> list:
+    """``concurrency`` prompts per ``llm.generate`` call, the next wave when the
+    whole wave is done: the batch shrinks while a wave's slowest request
+    finishes, which costs speculation more (requests finish at different steps)."""
+    outputs = []
+    for i in range(0, len(prompts), concurrency):
+        outputs += llm.generate(prompts[i : i + concurrency], params[i : i + concurrency], use_tqdm=False)
+        if progress:
+            progress(min(i + concurrency, len(prompts)), len(prompts))
+    return outputs
+
+
 def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concurrency: int, temperature: float,
-               progress) -> RunResult:
+               progress, load: str = "steady") -> RunResult:
+    if load not in LOADS:
+        raise ValueError(f"load={load!r}: expected one of {LOADS}")
     params = sampling_params(temperature, max_tokens, len(prompts))
     d0, a0, p0 = _spec_counts(llm)
     stats0 = _runner_stats(llm) if cfg.head and not cfg.engine_chain else {}
     res = RunResult(cfg.name, concurrency=concurrency, temperature=temperature)
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        for out in llm.generate(prompts[i : i + concurrency], params[i : i + concurrency], use_tqdm=False):
-            res.tokens.append(list(out.outputs[0].token_ids))
-            res.finish_reasons.append(out.outputs[0].finish_reason)
-        if progress:
-            progress(min(i + concurrency, len(prompts)), len(prompts))
+    for out in (_steady if load == "steady" else _waves)(llm, prompts, params, concurrency, progress):
+        res.tokens.append(list(out.outputs[0].token_ids))
+        res.finish_reasons.append(out.outputs[0].finish_reason)
     res.seconds = time.perf_counter() - t0
     res.generated = sum(len(t) for t in res.tokens)
     d1, a1, p1 = _spec_counts(llm)
