@@ -329,10 +329,10 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 class _Curve:
-    """Points of one T (or one draft shape): B -> [online value, online n, profile seed].
+    """Points of one T (or one draft shape): B -> [online value, online count, profile seed].
 
-    online value / n: the running (then decayed) mean of the online
-    observations and their count (capped); (None, 0) until the first one.
+    online value: the running (then decayed) mean of the online observations,
+    None until the first one; online count: how many there were (not capped);
     seed: the startup profile's value, or None."""
 
     __slots__ = ("xs", "pts")
@@ -345,8 +345,13 @@ class _Curve:
         p = self.pts.get(x)
         if p is None:
             bisect.insort(self.xs, x)
-            p = self.pts[x] = [None, 0.0, None, 0]
+            p = self.pts[x] = [None, 0, None]
         return p
+
+
+def _value(p: list) -> Optional[float]:
+    """A point's estimate: its online value, else its profile seed (None if neither)."""
+    return p[0] if p[0] is not None else p[2]
 
 
 def _check_key(name: str, v) -> int:
@@ -419,20 +424,17 @@ class CostTable:
         if p[0] is not None and p[0] > 0 and seconds > 0:
             surprise = math.log(seconds / p[0])
             self._noise_sq += self.NOISE_WEIGHT * (surprise * surprise - self._noise_sq)
-        p[3] += 1
-        n = p[1] + 1.0
+        p[1] += 1
         # the first online observation replaces the estimate: a profile seed may be biased
         # (it times a synthetic forward, on a machine busy starting up) and interpolation more so
-        p[0] = seconds if p[0] is None else p[0] + max(self.ema_weight, 1.0 / n) * (seconds - p[0])
-        p[1] = min(n, 1.0 / self.ema_weight)
+        p[0] = seconds if p[0] is None else p[0] + max(self.ema_weight, 1.0 / p[1]) * (seconds - p[0])
 
     def _seed(self, table: dict, key, B: int, seconds: float) -> None:
         self._version += 1
         self._curve(table, key).point(B)[2] = seconds
 
     def seed_verify(self, T: int, B: int, seconds: float) -> None:
-        """The startup profile's t_V(T, B): used until that key is observed online,
-        scaled by how online observations compare with the profile elsewhere."""
+        """The startup profile's t_V(T, B): used until that key is measured online."""
         self._seed(self._verify, _check_key("T", T), _check_key("B", B), _check_seconds("verify", seconds))
 
     def seed_draft(self, shape: TreeShape, B: int, seconds: float) -> None:
@@ -458,41 +460,27 @@ class CostTable:
         """How many times t_V(T, B) was measured online (never capped or decayed)."""
         c = self._verify.get(T)
         p = None if c is None else c.pts.get(B)
-        return 0 if p is None else p[3]
+        return 0 if p is None else p[1]
 
     def observed(self, T: int, B: int) -> bool:
         """Whether t_V(T, B) has been measured online (not only profiled or estimated)."""
-        c = self._verify.get(T)
-        return c is not None and B in c.pts and c.pts[B][0] is not None
+        return self.observations(T, B) > 0
 
     @staticmethod
     def _x(kind: str, key, B: int) -> tuple[int, int]:
         """(tokens, divisor): verify x = B*T, y = t_V; draft x = B*topk, y = d/num_steps."""
         return (B * key, 1) if kind == "verify" else (B * key.topk, key.num_steps)
 
-    def _point_value(self, kind: str, key, B: int, p: list) -> Optional[float]:
-        """A point's estimate: its online value, else its profile seed (None if neither)."""
-        if p[0] is not None:
-            return p[0]
-        return p[2]
-
-    def _cached(self, name: str, build):
-        hit = self._pooled.get(name)
+    def _pooled_curve(self, kind: str) -> Optional[tuple[list, list]]:
+        """(xs, ys) over tokens of every point's estimate (``_x``), points at the same x
+        averaged; cached until the table changes."""
+        hit = self._pooled.get(kind)
         if hit is not None and hit[0] == self._version:
             return hit[1]
-        out = build(name.split("-")[0])
-        self._pooled[name] = (self._version, out)
-        return out
-
-    def _pooled_curve(self, kind: str) -> Optional[tuple[list, list]]:
-        """(xs, ys) over tokens of every point's estimate (``_x``), points at the same x averaged."""
-        return self._cached(kind + "-pooled", self._build_pooled)
-
-    def _build_pooled(self, kind: str) -> Optional[tuple[list, list]]:
         acc: dict[int, list] = {}
         for key, c in (self._verify if kind == "verify" else self._draft).items():
             for B, p in c.pts.items():
-                v = self._point_value(kind, key, B, p)
+                v = _value(p)
                 if v is None:
                     continue
                 x, per = self._x(kind, key, B)
@@ -500,28 +488,27 @@ class CostTable:
                 a[0] += v / per
                 a[1] += 1
         xs = sorted(acc)
-        return (xs, [acc[x][0] / acc[x][1] for x in xs]) if xs else None
+        out = (xs, [acc[x][0] / acc[x][1] for x in xs]) if xs else None
+        self._pooled[kind] = (self._version, out)
+        return out
 
     def _estimate(self, c: Optional[_Curve], key, B: int, kind: str) -> Optional[float]:
-        mult, per = (key, 1) if kind == "verify" else (key.topk, key.num_steps)
         known = []  # (B, value) of this key's points with an estimate
         if c is not None:
-            for x in c.xs:
-                v = self._point_value(kind, key, x, c.pts[x])
-                if v is not None:
-                    known.append((x, v))
-            hit = dict(known).get(B)
+            hit = _value(c.pts[B]) if B in c.pts else None
             if hit is not None:
                 return hit
+            known = [(x, v) for x in c.xs if (v := _value(c.pts[x])) is not None]
             if len(known) >= 2:
                 return _interp([x for x, _ in known], [v for _, v in known], B)
         pooled = self._pooled_curve(kind)
         if pooled is None:
             return None
-        g = per * _interp(*pooled, B * mult)
+        x, per = self._x(kind, key, B)
+        g = per * _interp(*pooled, x)
         if known:
             B0, v0 = known[0]
-            g0 = per * _interp(*pooled, B0 * mult)
+            g0 = per * _interp(*pooled, self._x(kind, key, B0)[0])
             if g0 > 0:
                 g *= v0 / g0
         return g
@@ -557,10 +544,8 @@ class CostTable:
 
     def measured(self) -> dict:
         """{"verify": {(T, B): s}, "draft": {(label, B): s}}: the current per-key values (for logs)."""
-        return {"verify": {(T, B): self._point_value("verify", T, B, p) for T, c in self._verify.items()
-                           for B, p in c.pts.items()},
-                "draft": {(shape_label(s), B): self._point_value("draft", s, B, p) for s, c in self._draft.items()
-                          for B, p in c.pts.items()}}
+        return {"verify": {(T, B): _value(p) for T, c in self._verify.items() for B, p in c.pts.items()},
+                "draft": {(shape_label(s), B): _value(p) for s, c in self._draft.items() for B, p in c.pts.items()}}
 
 
 # ----------------------------------------------------------------- acceptance
@@ -608,7 +593,7 @@ class AcceptanceStats:
         n = len(keys)
         members = [[s for s in self.shapes if self._group[s] == g] for g in range(n)]
         self._gD = [max(_depth(s) for s in m) for m in members]
-        topk = self._topk = [m[0].topk for m in members]
+        self._topk = [m[0].topk for m in members]
         self._att = [[0.0] * D for D in self._gD]
         self._acc = [[0.0] * D for D in self._gD]
         self._others = [[j for j in range(n) if j != i] for i in range(n)]
@@ -986,7 +971,7 @@ class BudgetPolicy:
             r = B * tau / (costs.verify_time(T, B) + costs.draft_time(s, B))
             rates.append(r)
             n = evidence[j]
-            measured = max(acc.requests(s), self.acceptance.paired(s))
+            measured = max(acc.requests(s), acc.paired(s))
             lift = bonus * self._lift_depth[j] / math.sqrt(1.0 + n) if measured < enough else 0.0
             optimistic.append(r * cheaper * min(1.0 + D, tau + lift) / tau)
         return rates, optimistic

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from spec_plugins.cli_types import parse_shape
+from spec_plugins.vllm_runs import LOADS
 
 DEFAULT_SHAPES = ["3,1,4", "5,1,6", "5,4,8", "6,8,32"]
 CHECK_SHAPES = ["3,1,4", "5,4,8"]
@@ -50,7 +51,7 @@ def repository_part(module: str, needed_for: str):
 # ------------------------------------------------------------------- helpers
 
 
-SHIPPED_HEADS = ("eagle3", "eagle1")  # spec_plugins.heads.SHIPPED (repository only)
+SHIPPED_HEADS = ("eagle3", "eagle1")  # the keys of spec_plugins.heads.SHIPPED (repository only; a test ties them)
 
 
 def resolve_heads(names: list[str]) -> list[tuple[str, str]]:
@@ -416,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(bench, DEFAULT_SHAPES, 8, 64, ["eagle3", "eagle1"])
     bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
                        help="requests in flight at once; each level runs on the same engines (default: 1 8)")
-    bench.add_argument("--load", choices=("steady", "waves"), default="steady",
+    bench.add_argument("--load", choices=LOADS, default=LOADS[0],
                        help="steady: keep --concurrency requests in flight, the next prompt added as one finishes "
                             "(a server's steady load; vLLM's bench serve --max-concurrency); waves: --concurrency "
                             "prompts per generate call, the next wave once all are done (results before "

@@ -211,3 +211,12 @@ def test_editable_install_still_sees_the_repository_parts(tmp_path):
     res = subprocess.run([sys.executable, "-I", "-S", "-c", code, *site], cwd=tmp_path, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_cli_knows_the_shipped_head_names_without_the_heads_package():
+    """cli keeps the shipped head names (the wheel has no spec_plugins.heads):
+    they must stay those of spec_plugins.heads.SHIPPED."""
+    from spec_plugins import cli
+    from spec_plugins.heads import SHIPPED
+
+    assert set(cli.SHIPPED_HEADS) == set(SHIPPED)
