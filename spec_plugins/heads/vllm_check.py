@@ -16,20 +16,15 @@ import os
 import sys
 from pathlib import Path
 
+from spec_plugins import vllm_runs
 from spec_plugins.vllm_runs import _metric  # noqa: F401  (the tests import it from here)
 
-
-# The KV cache size is stated, never a fraction of free memory: on vLLM-CPU the
-# memory-utilization fraction is a share of NUMA node 0, so whether the engine
-# starts would depend on what else runs on the machine. 384 MiB holds ~8k
-# SmolLM2 tokens (fp32), ample for a few prompts of max_model_len 1024.
+# 384 MiB holds ~8k SmolLM2 tokens (fp32), ample for a few prompts of max_model_len 1024.
 KV_CACHE_BYTES = 384 << 20
 
 
 def engine_kwargs(model: str) -> dict:
-    return dict(model=model, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=KV_CACHE_BYTES,
-                distributed_executor_backend="uni", seed=0, enable_prefix_caching=False, enforce_eager=True,
-                disable_log_stats=False)
+    return vllm_runs.engine_kwargs(model, max_model_len=1024, kv_cache_memory_bytes=KV_CACHE_BYTES)
 
 
 def run(head_dir: Path, method: str, num_spec: int, prompts: list[str], max_tokens: int = 48,

@@ -43,16 +43,17 @@ def generate(out: Path, num_prompts: int, max_new_tokens: int, seed: int) -> Non
     from spec_plugins.models.smollm2 import ensure_converted
     from spec_plugins.prompts import apply_chat_template
     from spec_plugins.training.prompts import training_prompts
+    from spec_plugins.vllm_runs import engine_kwargs
 
     model = ensure_converted()
     tok = AutoTokenizer.from_pretrained(model)
     prompts = training_prompts(num_prompts, seed=seed)
     texts = [apply_chat_template(tok, p) for p in prompts]
-    llm = LLM(
-        model=str(model), dtype="float32", seed=seed, max_model_len=1024, distributed_executor_backend="uni",
-        enable_prefix_caching=False, max_num_seqs=256,
-        kv_cache_memory_bytes=2 << 30,  # stated, not a share of free memory (~45k fp32 SmolLM2 tokens)
-    )
+    llm = LLM(**engine_kwargs(
+        str(model), max_model_len=1024, kv_cache_memory_bytes=2 << 30,  # ~45k fp32 SmolLM2 tokens
+        seed=seed, max_num_seqs=256,
+        enforce_eager=False, disable_log_stats=True,  # vLLM's defaults: a bulk job, no metrics read
+    ))
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     t0 = time.time()
     done = 0

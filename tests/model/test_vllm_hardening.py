@@ -27,6 +27,7 @@ from smollm2_gate import require_smollm2  # noqa: E402
 
 require_smollm2()
 
+from spec_plugins import vllm_runs  # noqa: E402
 from spec_plugins.heads import head_path  # noqa: E402
 from spec_plugins.heads.vllm_check import _metric  # noqa: E402
 from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
@@ -37,10 +38,8 @@ PLUGIN = "spec_plugins_test_ban_lp"
 
 
 def engine_kwargs(**overrides) -> dict:
-    kw = dict(model=str(ensure_converted()), dtype="float32", max_model_len=512, seed=0, enforce_eager=True,
-              distributed_executor_backend="uni", disable_log_stats=False, enable_prefix_caching=False,
-              kv_cache_memory_bytes=128 << 20)
-    return {**kw, **overrides}
+    sized = {"max_model_len": 512, "kv_cache_memory_bytes": 128 << 20, **overrides}
+    return vllm_runs.engine_kwargs(str(ensure_converted()), **sized)
 
 
 def tree_kwargs(**overrides) -> dict:

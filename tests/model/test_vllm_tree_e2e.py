@@ -21,6 +21,7 @@ from smollm2_gate import require_smollm2  # noqa: E402
 
 require_smollm2()
 
+from spec_plugins import vllm_runs  # noqa: E402
 from spec_plugins.heads import head_path  # noqa: E402
 from spec_plugins.heads.vllm_check import _metric  # noqa: E402
 from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
@@ -33,11 +34,8 @@ METHOD = {"eagle3": "eagle3", "eagle1": "eagle"}
 
 
 def engine_kwargs(**overrides) -> dict:
-    kw = dict(model=str(ensure_converted()), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0,
-              distributed_executor_backend="uni", enforce_eager=True, disable_log_stats=False,
-              enable_prefix_caching=False, kv_cache_memory_bytes=384 << 20)
-    kw.update(overrides)
-    return kw
+    sized = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 384 << 20, **overrides}
+    return vllm_runs.engine_kwargs(str(ensure_converted()), **sized)
 
 
 def tree_kwargs(kind: str, shape: tuple[int, int, int], **overrides) -> dict:

@@ -26,6 +26,7 @@ require_smollm2()
 from spec_plugins.heads import head_path  # noqa: E402
 from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
 from spec_plugins.prompts import apply_chat_template, eval_prompts  # noqa: E402
+from spec_plugins.vllm_runs import engine_kwargs  # noqa: E402
 
 MAX_TOKENS = 32
 
@@ -54,8 +55,9 @@ def prompts():
 def reference(prompts):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(ensure_converted()), dtype="float32", max_model_len=1024, seed=0, enforce_eager=True,
-              distributed_executor_backend="uni", kv_cache_memory_bytes=384 << 20)
+    # stats and prefix caching as vLLM sets them by default (and as the served engine has them)
+    llm = LLM(**engine_kwargs(str(ensure_converted()), max_model_len=1024, kv_cache_memory_bytes=384 << 20,
+                              disable_log_stats=True, enable_prefix_caching=None))
     texts = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                                                      use_tqdm=False)]
     del llm
