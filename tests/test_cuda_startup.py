@@ -98,7 +98,7 @@ def test_build_removes_torchs_orphaned_baton_under_our_lock(fresh_state, monkeyp
         return "ctypes"
 
     monkeypatch.setattr(startup, "run_build_child", child)
-    monkeypatch.setattr(cuda_ops, "_compile", lambda nvcc, choice: cuda_ops._ExtensionBackend(None))
+    monkeypatch.setattr(cuda_ops, "compile_backend", lambda nvcc, choice: cuda_ops.ExtensionBackend(None))
     assert cuda_ops.ensure_built(timeout=5) is True
     assert seen == {"baton": False, "ours": str(os.getpid())}
     assert not (fresh_state / "build.lock").exists()
