@@ -20,6 +20,8 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``tree_attention``     verify attention over a paged KV cache under a compact
                          tree mask (``attention.py``; imported on first use, so
                          TRITON_INTERPRET may be set after importing this package).
+* ``TreeAttentionPlan``  the same, planned once per step and run per layer
+                         (``attention_plan.py``; what both engine adapters call).
 
 Each op has a torch reference (``reference``), a Triton implementation
 (``triton_ops``) and a CUDA one (``cuda_ops``), chosen by ``impl=``.
@@ -50,10 +52,15 @@ def __getattr__(name: str):
         from .attention import tree_attention
 
         return tree_attention
+    if name == "TreeAttentionPlan":
+        from .attention_plan import TreeAttentionPlan
+
+        return TreeAttentionPlan
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
+    "TreeAttentionPlan",
     "TreeBuild",
     "TreeMaskMode",
     "TreeShape",

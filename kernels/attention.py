@@ -34,8 +34,10 @@ value on the host, and the Triton launches are fixed by shapes alone, so the
 call is CUDA-graph capturable.
 
 Modules: ``attention_reference`` (validation, the torch reference),
-``attention_triton`` (the kernels and their launch plan), ``attention_bench``
-(the GPU benchmark and sweep). This module is the public face.
+``attention_triton`` (the kernels and their launch plan), ``attention_plan``
+(``TreeAttentionPlan``: the step's host work once, then one run per layer; what
+the engine adapters call), ``attention_bench`` (the GPU benchmark and sweep).
+This module is the one-call public face.
 
 Triton kernels (``attention_triton`` documents them): the GQA group's Hq/Hkv
 query heads of a block of nodes are stacked into the rows of one

@@ -1,72 +1,166 @@
-"""Tree attention split into a per-step plan and a per-layer run (FlashInfer's
-wrapper style), for engines that call attention once per layer per step.
+"""Tree verify attention split into a per-step plan and a per-layer run
+(FlashInfer's wrapper style), for engines that call attention once per layer
+per step. Both adapters use it: vLLM's tree rows (``vllm_ext.attention``) and
+SGLang's TARGET_VERIFY (``sglang_ext.attention``).
 
-``TreeAttentionPlan.create`` does the host work once per step: which cache
-blocks the batch reads and the additive mask (prefix + ancestor-or-self tree
-positions) over those positions. ``run`` is then a gather and two einsums per
-layer, with no host sync and nothing rebuilt. This is the torch path (CPU, or
-any device); on CUDA the Triton kernel of ``tree_attention`` is the fast one.
+``TreeAttentionPlan.create`` does the step's host work once: checks the
+step's inputs (block table, context lengths, tree mask), resolves the
+implementation (``api.resolve_impl``, ``SPEC_TREE_KERNELS_IMPL`` honoured) and
+prepares what every layer reads:
+
+* torch: which cache blocks the batch reads and the additive mask (prefix +
+  ancestor-or-self tree positions) over those positions;
+* triton: the mask in the kernels' layout; the launch plan
+  (``plan_tree_attention``) and the split kernel's workspace are made by the
+  first layer and reused by the others (they depend on head counts, which
+  the plan learns from the first ``run``).
+
+``run`` is then per layer: shape checks against the plan (host only), a
+gather and two einsums (torch) or the kernel launches (triton). No host sync
+and nothing rebuilt; the Triton launches are fixed by shapes, so a run is
+CUDA-graph capturable.
 
 Shapes (B requests, T nodes incl. the root, Hq query / Hkv KV heads, D head dim)::
 
-    block_table   [B, >= used] int32/int64 block ids (vLLM's block table rows)
-    context_lens  [B] int64 committed prefix length; node i's K/V sit at
-                  position context_len + i (the engine wrote them linearly)
-    tree_mask     compact mask of ``mode`` for B trees of T nodes (see attention.py)
-    q             [B, T, Hq, D];  k_cache / v_cache [num_blocks, block_size, Hkv, D] views
-    returns       [B, T, Hq, D] in q's dtype
+    block_table     [B, >= used] int32/int64 block ids (an engine's block table rows)
+    context_lens    [B] int32/int64 committed prefix length; node i's K/V sit at
+                    position context_len + i (the engine wrote them linearly)
+    tree_mask       compact mask of ``mode`` for B trees of T nodes (see attention.py)
+    max_context_len host int >= every context_lens entry, or None (then the
+                    block table's width bounds it). The caller knows it from its
+                    own bookkeeping: no device read here. The torch path reads
+                    only the blocks it covers; the Triton path sizes its split
+                    plan with it.
+    q               [B, T, Hq, D];  k_cache / v_cache [num_blocks, block_size, Hkv, D] views
+    returns         [B, T, Hq, D] in q's dtype
 
-Positions a request does not own inside its used blocks, and the other
-requests' extra blocks, are masked out by the bias; their values must be finite
-(engines zero-fill their KV caches and write only model K/V there).
+Torch path: positions a request does not own inside its used blocks, and the
+other requests' extra blocks, are masked out by the bias; their values must
+be finite (engines zero-fill their KV caches and write only model K/V there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .attention_reference import tree_mask_to_dense
-from .modes import parse_mask_mode
+from .api import resolve_impl
+from .attention_reference import _check_layer_inputs, _check_step_inputs, _default_scale, tree_mask_to_dense
+from .modes import TreeMaskMode
 
 
 @dataclass
 class TreeAttentionPlan:
-    """blocks [B, nb] int64 cache blocks read per request (nb * block_size
-    positions S cover the longest context + T); bias [B, 1, 1, T, S] float32,
-    0 where node t may attend position s, -inf elsewhere."""
+    """One verify step's tree attention: ``create`` once, ``run`` per layer.
 
-    blocks: torch.Tensor
-    bias: torch.Tensor
+    impl          "torch" or "triton" (resolved)
+    batch, nodes  B and T
+    block_table, context_lens, mask   the step's inputs (mask in the kernels'
+                  layout for triton, as given for torch)
+    blocks [B, nb] int64 cache blocks read per request and bias [B, 1, 1, T, S]
+                  float32 (0 where node t may attend position s, -inf elsewhere;
+                  S = nb * block_size): the torch path only, else None.
+    """
+
+    impl: str
+    mode: TreeMaskMode
+    batch: int
+    nodes: int
+    block_size: int
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    mask: torch.Tensor
+    max_context_len: int | None
+    blocks: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    # triton: (Hq, Hkv, D, dtype) -> (launch plan, split workspace), made by the first layer
+    _launches: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, block_table: torch.Tensor, context_lens: torch.Tensor, tree_mask: torch.Tensor, mode,
-               nodes: int, block_size: int, max_context_len: int) -> "TreeAttentionPlan":
-        """``max_context_len``: a host int >= every context_lens entry (the
-        caller knows it from its own bookkeeping: no device read here)."""
-        mode = parse_mask_mode(mode)
-        batch = context_lens.shape[0]
-        used = -(-(max_context_len + nodes) // block_size)
-        blocks = block_table[:, :used].long()
-        positions = torch.arange(used * block_size, device=context_lens.device)
-        ctx = context_lens.long()[:, None]
-        node_of_pos = positions[None, :] - ctx  # [B, S]: tree node stored at each position, if any
-        in_tree = (node_of_pos >= 0) & (node_of_pos < nodes)
-        anc = tree_mask_to_dense(tree_mask, mode, batch, nodes)  # [B, T, T] ancestor-or-self
-        tree_ok = anc.gather(2, node_of_pos.clamp(0, nodes - 1)[:, None, :].expand(batch, nodes, -1))
-        allowed = (positions[None, :] < ctx)[:, None, :] | (tree_ok & in_tree[:, None, :])  # [B, T, S]
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-        bias.masked_fill_(~allowed, float("-inf"))
-        return cls(blocks=blocks, bias=bias[:, None, None])
+               nodes: int, block_size: int, max_context_len: int | None = None, *,
+               impl: str = "auto") -> "TreeAttentionPlan":
+        if not isinstance(context_lens, torch.Tensor):
+            raise TypeError(f"context_lens must be a torch.Tensor, got {type(context_lens).__name__}")
+        batch, device = context_lens.shape[0], context_lens.device
+        mode = _check_step_inputs(block_table, context_lens, tree_mask, mode, batch, nodes, device)
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        impl = resolve_impl("attention", impl, device)
+        if impl == "torch":
+            blocks, bias = _torch_blocks_and_bias(block_table, context_lens, tree_mask, mode, nodes, block_size,
+                                                  max_context_len)
+            return cls(impl, mode, batch, nodes, block_size, block_table, context_lens, tree_mask, max_context_len,
+                       blocks, bias)
+        from .attention_triton import kernel_mask, require_triton
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        batch, nodes, hq, dim = q.shape
-        hkv = k_cache.shape[2]
-        k = k_cache[self.blocks].flatten(1, 2)  # [B, S, Hkv, D]
-        v = v_cache[self.blocks].flatten(1, 2)
-        qf = q.view(batch, nodes, hkv, hq // hkv, dim)
-        scores = torch.einsum("bthgd,bshd->bhgts", qf.float(), k.float()).mul_(scale).add_(self.bias)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bhgts,bshd->bthgd", probs, v.float())
-        return out.reshape(batch, nodes, hq, dim).to(q.dtype)
+        require_triton(device)
+        return cls(impl, mode, batch, nodes, block_size, block_table, context_lens, kernel_mask(tree_mask, mode),
+                   max_context_len)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None):
+        """One layer: q [B, T, Hq, D], the layer's K/V views -> [B, T, Hq, D]."""
+        self._check_layer(q, k_cache, v_cache)
+        if self.impl == "torch":
+            return _torch_run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]))
+        return self._triton_run(q, k_cache, v_cache, scale)
+
+    # ------------------------------------------------------------- steps
+
+    def _check_layer(self, q, k_cache, v_cache) -> None:
+        _check_layer_inputs(q, k_cache, v_cache)
+        if tuple(q.shape[:2]) != (self.batch, self.nodes) or q.device != self.context_lens.device:
+            raise ValueError(f"q {tuple(q.shape)} on {q.device} does not match the plan's {self.batch} requests of "
+                             f"{self.nodes} nodes on {self.context_lens.device}")
+        if k_cache.shape[1] != self.block_size:
+            raise ValueError(f"the cache's block size {k_cache.shape[1]} is not the plan's {self.block_size}")
+
+    def _triton_run(self, q, k_cache, v_cache, scale):
+        from .attention_triton import plan_tree_attention, run_planned_attention, split_workspace
+
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if self.batch == 0:
+            return out
+        hq, dim, hkv = q.shape[2], q.shape[3], k_cache.shape[2]
+        key = (hq, hkv, dim, q.dtype)
+        if key not in self._launches:
+            launch = plan_tree_attention(self.batch, self.nodes, hq, hkv, dim, self.block_size,
+                                         self.block_table.shape[1], q.device, max_context_len=self.max_context_len)
+            self._launches[key] = (launch, split_workspace(launch, q))
+        launch, workspace = self._launches[key]
+        run_planned_attention(launch, q, k_cache, v_cache, self.block_table, self.context_lens, self.mask, self.mode,
+                              scale, out, workspace)
+        return out
+
+
+def _torch_blocks_and_bias(block_table, context_lens, tree_mask, mode, nodes, block_size, max_context_len):
+    """The blocks the longest request uses and the [B, 1, 1, T, S] additive mask over them."""
+    batch = context_lens.shape[0]
+    if max_context_len is None:
+        used = block_table.shape[1]
+    else:
+        used = min(block_table.shape[1], -(-(max_context_len + nodes) // block_size))
+    blocks = block_table[:, :used].long()
+    positions = torch.arange(used * block_size, device=context_lens.device)
+    ctx = context_lens.long()[:, None]
+    node_of_pos = positions[None, :] - ctx  # [B, S]: tree node stored at each position, if any
+    in_tree = (node_of_pos >= 0) & (node_of_pos < nodes)
+    anc = tree_mask_to_dense(tree_mask, mode, batch, nodes)  # [B, T, T] ancestor-or-self
+    tree_ok = anc.gather(2, node_of_pos.clamp(0, nodes - 1)[:, None, :].expand(batch, nodes, -1))
+    allowed = (positions[None, :] < ctx)[:, None, :] | (tree_ok & in_tree[:, None, :])  # [B, T, S]
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+    bias.masked_fill_(~allowed, float("-inf"))
+    return blocks, bias[:, None, None]
+
+
+def _torch_run(blocks, bias, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+    batch, nodes, hq, dim = q.shape
+    hkv = k_cache.shape[2]
+    k = k_cache[blocks].flatten(1, 2)  # [B, S, Hkv, D]
+    v = v_cache[blocks].flatten(1, 2)
+    qf = q.reshape(batch, nodes, hkv, hq // hkv, dim)
+    scores = torch.einsum("bthgd,bshd->bhgts", qf.float(), k.float()).mul_(scale).add_(bias)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgts,bshd->bthgd", probs, v.float())
+    return out.reshape(batch, nodes, hq, dim).to(q.dtype)

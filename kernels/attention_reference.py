@@ -23,45 +23,29 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 def _check_inputs(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode) -> TreeMaskMode:
     """Shape/dtype/device checks only (no value checks: those would sync)."""
+    _check_layer_inputs(q, k_cache, v_cache)
+    return _check_step_inputs(block_table, context_lens, tree_mask, mode, q.shape[0], q.shape[1], q.device)
+
+
+def _check_step_inputs(block_table, context_lens, tree_mask, mode, batch: int, nodes: int, device) -> TreeMaskMode:
+    """The inputs every layer of a verify step shares: block table, context
+    lengths, tree mask (checked once per step by ``TreeAttentionPlan``)."""
     mode = parse_mask_mode(mode)
     if mode not in SUPPORTED_MODES:
         names = ", ".join(m.name for m in SUPPORTED_MODES)
         raise ValueError(f"tree attention supports mask modes {names}; got {mode.name}")
-    for name, t, ndim in (
-        ("q", q, 4),
-        ("k_cache", k_cache, 4),
-        ("v_cache", v_cache, 4),
-        ("block_table", block_table, 2),
-        ("context_lens", context_lens, 1),
-    ):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != ndim:
-            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if q.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache/v_cache must have q's dtype {q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
+    for name, t, ndim in (("block_table", block_table, 2), ("context_lens", context_lens, 1)):
+        _check_tensor(name, t, ndim, device)
     if block_table.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
         raise TypeError(f"block_table/context_lens must be int32 or int64, got {block_table.dtype}/{context_lens.dtype}")
-    batch, nodes, hq, dim = q.shape
     if nodes < 1:
         raise ValueError("q must hold at least one node per request")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    hkv = k_cache.shape[2]
-    if k_cache.shape[3] != dim:
-        raise ValueError(f"head dim of q ({dim}) and of the cache ({k_cache.shape[3]}) differ")
-    if hkv < 1 or hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if block_table.shape[0] != batch or context_lens.shape[0] != batch:
         raise ValueError(
             f"block_table {tuple(block_table.shape)} / context_lens {tuple(context_lens.shape)} "
             f"must have q's batch {batch} first"
         )
-    if not isinstance(tree_mask, torch.Tensor) or tree_mask.device != q.device:
+    if not isinstance(tree_mask, torch.Tensor) or tree_mask.device != device:
         raise ValueError("tree_mask must be a tensor on q's device")
     want, dtype = MODES[mode].shape(batch, nodes, 0), mask_dtype(mode, nodes)
     if tuple(tree_mask.shape) != want or tree_mask.dtype != dtype:
@@ -69,6 +53,34 @@ def _check_inputs(q, k_cache, v_cache, block_table, context_lens, tree_mask, mod
             f"{mode.name} tree_mask must be {dtype} of shape {want}, got {tree_mask.dtype} {tuple(tree_mask.shape)}"
         )
     return mode
+
+
+def _check_layer_inputs(q, k_cache, v_cache) -> None:
+    """The per-layer inputs: queries and the layer's K/V cache views."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, 4, q.device if isinstance(q, torch.Tensor) else None)
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache/v_cache must have q's dtype {q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
+    if q.shape[1] < 1:
+        raise ValueError("q must hold at least one node per request")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    hq, dim, hkv = q.shape[2], q.shape[3], k_cache.shape[2]
+    if k_cache.shape[3] != dim:
+        raise ValueError(f"head dim of q ({dim}) and of the cache ({k_cache.shape[3]}) differ")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+
+
+def _check_tensor(name: str, t, ndim: int, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q on {device}")
 
 
 def _default_scale(scale, dim: int) -> float:

@@ -608,14 +608,9 @@ def tree_attention_triton(
     num_warps, num_stages  passed to the attention launch.
     """
     mode = _check_inputs(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode)
-    if not _triton_usable(q.device):
-        raise RuntimeError(
-            f"tree_attention_triton needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
-            f"(device={q.device}, triton importable={triton is not None})"
-        )
+    require_triton(q.device)
     batch, nodes, hq, dim = q.shape
     _, block_size, hkv, _ = k_cache.shape
-    group = hq // hkv
     out = torch.empty(batch, nodes, hq, dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -623,19 +618,48 @@ def tree_attention_triton(
         batch, nodes, hq, hkv, dim, block_size, block_table.shape[1], q.device, kernel=kernel, num_splits=num_splits,
         max_context_len=max_context_len, split_min_tokens=split_min_tokens, block_m=block_m, block_n=block_n,
     )  # fmt: skip
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    run_planned_attention(plan, q, k_cache, v_cache, block_table, context_lens, kernel_mask(tree_mask, mode), mode,
+                          scale, out, split_workspace(plan, q), **launch)
+    return out
 
-    if mode == TreeMaskMode.QLEN_ONLY:
-        mask = tree_mask.view(torch.uint8)  # same bytes; Triton loads bytes, not i1
-    else:
-        mask = tree_mask.contiguous()
-    launch = {}
-    if num_warps is not None:
-        launch["num_warps"] = num_warps
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
+
+def require_triton(device) -> None:
+    if not _triton_usable(device):
+        raise RuntimeError(
+            f"tree_attention_triton needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
+            f"(device={device}, triton importable={triton is not None})"
+        )
+
+
+def kernel_mask(tree_mask: torch.Tensor, mode: TreeMaskMode) -> torch.Tensor:
+    """The tree mask as the kernels load it (QLEN_ONLY's bools as the same
+    bytes: Triton loads bytes, not i1)."""
+    return tree_mask.view(torch.uint8) if mode == TreeMaskMode.QLEN_ONLY else tree_mask.contiguous()
+
+
+def split_workspace(plan: AttentionPlan, q: torch.Tensor):
+    """(o_part [B, T, Hq, S+1, D], lse_part [B, T, Hq, S+1]) fp32 partial states
+    of the split kernel, or None for the single-pass one. Reusable across
+    layers: the merge reads only the chunks each request's split programs wrote."""
+    if plan.kernel != "split":
+        return None
+    batch, nodes, hq, dim = q.shape
+    o_part = torch.empty(batch, nodes, hq, plan.num_splits + 1, dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(batch, nodes, hq, plan.num_splits + 1, dtype=torch.float32, device=q.device)
+    return o_part, lse_part
+
+
+def run_planned_attention(plan: AttentionPlan, q, k_cache, v_cache, block_table, context_lens, mask, mode, scale, out,
+                          workspace, **launch) -> None:
+    """Launch ``plan``'s kernels, writing ``out`` [B, T, Hq, D]. Inputs are the
+    checked ones of ``tree_attention_triton`` (``mask`` from ``kernel_mask``,
+    ``workspace`` from ``split_workspace``); nothing here reads the device."""
+    batch, nodes, hq, dim = q.shape
+    _, block_size, hkv, _ = k_cache.shape
     common = dict(
         T=nodes,
-        GROUP=group,
+        GROUP=hq // hkv,
         HEAD_DIM=dim,
         BLOCK_SIZE=block_size,
         MODE=int(mode),
@@ -657,11 +681,10 @@ def tree_attention_triton(
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
             block_table.stride(0), qk_scale, **common, **launch,
         )  # fmt: skip
-        return out
+        return
 
     splits = plan.num_splits
-    o_part = torch.empty(batch, nodes, hq, splits + 1, dim, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(batch, nodes, hq, splits + 1, dtype=torch.float32, device=q.device)
+    o_part, lse_part = workspace
     grid = (plan.node_blocks, splits + 1, batch * hkv)
     _launch(
         _tree_attention_split_kernel, grid, q, k_cache, v_cache, o_part, lse_part, block_table, context_lens, mask,
@@ -677,4 +700,3 @@ def tree_attention_triton(
         T=nodes, HQ=hq, HEAD_DIM=dim, BLOCK_N=plan.block_n, SPLITS_P2=max(2, _next_pow2(splits)), ROWS=rows,
         BLOCK_D=common["BLOCK_D"],
     )  # fmt: skip
-    return out

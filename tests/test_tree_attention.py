@@ -15,6 +15,7 @@ table, and attention is ``scaled_dot_product_attention`` over the explicit
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -473,3 +474,150 @@ def test_dispatch_honours_the_impl_env(monkeypatch):
             tree_attention(*args)
     else:
         assert_close(tree_attention(*args), ref, torch.float32)
+
+
+# ------------------------------------------------ per-step plan, per-layer run
+
+
+def finite_problem(kind, nodes, ctx_lens, seed=0, **kw) -> Problem:
+    """A problem whose unowned cache slots hold large finite garbage (the torch
+    plan adds a -inf bias, so NaN there would poison 0 * NaN; engines zero-fill),
+    and whose block table has no -1 padding (the plan's blocks are read
+    directly; a real block table's spare entries are valid block ids)."""
+    p = problem(kind, nodes, ctx_lens, seed=seed, **kw)
+    gen = torch.Generator().manual_seed(seed + 100)
+    for cache in (p.k_cache, p.v_cache):
+        nan = torch.isnan(cache)
+        cache[nan] = (torch.rand(int(nan.sum()), generator=gen) * 1e3).to(cache.dtype)
+    p.block_table = torch.where(p.block_table < 0, torch.zeros_like(p.block_table), p.block_table)
+    return p
+
+
+def another_layer(p: Problem, seed: int) -> Problem:
+    """The next layer of the same step: same trees, contexts and block table,
+    new queries and K/V written where the block table puts them."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = copy.copy(p)
+    layer.k_cache, layer.v_cache, layer.k, layer.v = p.k_cache.clone(), p.v_cache.clone(), [], []
+    block_size = p.k_cache.shape[1]
+    for b, ctx in enumerate(p.ctx_lens):
+        pos = torch.arange(ctx + p.nodes)
+        blocks = p.block_table[b].long()[pos // block_size]
+        k, v = (torch.randn(len(pos), *p.k_cache.shape[2:], generator=gen).to(p.k_cache.dtype) for _ in "kv")
+        layer.k_cache[blocks, pos % block_size], layer.v_cache[blocks, pos % block_size] = k, v
+        layer.k.append(k)
+        layer.v.append(v)
+    layer.q = torch.randn(p.q.shape, generator=gen).to(p.q.dtype)
+    return layer
+
+
+def plan_of(p: Problem, impl: str, max_context_len=None, device=DEVICE):
+    from spec_tree_kernels.attention_plan import TreeAttentionPlan
+
+    _, k_cache, _, table, ctx, mask, mode, _ = p.args(device)
+    return TreeAttentionPlan.create(table, ctx, mask, mode, p.nodes, k_cache.shape[1], max_context_len, impl=impl)
+
+
+def plan_impls():
+    return ["torch"] + (["triton"] if _triton_usable(DEVICE) else [])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("mode", [AB, PP, QL])
+def test_plan_runs_every_layer_like_the_one_call_op(impl, mode):
+    """One plan, several layers (different q and caches, GQA): each layer's run
+    equals the independent dense attention; the Triton path plans its launch
+    once (one cached launch for the layers' common head shape)."""
+    if impl not in plan_impls():
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1 (set before import)")
+    first = finite_problem("random", 7, [0, 19, 45], seed=1, hq=6, hkv=2, mode=mode)
+    layers = [first, another_layer(first, 2), another_layer(first, 3)]
+    plan = plan_of(layers[0], impl, max_context_len=45)
+    assert plan.impl == impl
+    for p in layers:
+        q, k_cache, v_cache, *_ = p.args()
+        assert_close(plan.run(q, k_cache, v_cache, p.scale), p.dense(), torch.float32)
+    if impl == "triton":
+        assert len(plan._launches) == 1
+
+
+@needs_triton
+def test_plan_split_kernel_reuses_its_workspace_across_layers(monkeypatch):
+    """At small batch the plan picks the split kernel; its fp32 workspace is
+    made once and reused, and a second layer with other contexts' values is
+    still exact (stale partial states are never read)."""
+    monkeypatch.setattr(attention_triton, "SPLIT_MIN_TOKENS", 16)
+    first = finite_problem("binary", 5, [70, 3], seed=4, hq=2, hkv=1)
+    layers = [first, another_layer(first, 5)]
+    plan = plan_of(layers[0], "triton")
+    for p in layers:
+        q, k_cache, v_cache, *_ = p.args()
+        assert_close(plan.run(q, k_cache, v_cache, p.scale), p.dense(), torch.float32)
+    (launch, workspace), = plan._launches.values()
+    assert launch.kernel == "split" and launch.num_splits > 1 and workspace is not None
+
+
+def test_torch_plan_reads_only_the_blocks_the_longest_request_uses():
+    p = finite_problem("random", 5, [13, 0, 30], seed=11, hq=4, hkv=2, block_size=8)
+    p.block_table = torch.cat([p.block_table, torch.zeros(3, 4, dtype=torch.int32)], 1)  # spare columns
+    plan = plan_of(p, "torch", max_context_len=30, device=torch.device("cpu"))
+    assert plan.blocks.shape == (3, 5)  # ceil((30 + 5) / 8)
+    q, k_cache, v_cache, *_ = p.args(torch.device("cpu"))
+    assert_close(plan.run(q, k_cache, v_cache, p.scale), p.dense(), torch.float32)
+    unbounded = plan_of(p, "torch", device=torch.device("cpu"))  # no bound: the block table's width
+    assert unbounded.blocks.shape == (3, p.block_table.shape[1])
+    assert_close(unbounded.run(q, k_cache, v_cache, p.scale), p.dense(), torch.float32)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_plan_of_an_empty_batch(impl):
+    if impl not in plan_impls():
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1 (set before import)")
+    from spec_tree_kernels.attention_plan import TreeAttentionPlan
+    from spec_tree_kernels.modes import empty_tree_mask
+
+    mask = empty_tree_mask(AB, 0, 4, 0, DEVICE, zeroed=True)
+    plan = TreeAttentionPlan.create(torch.zeros(0, 2, dtype=torch.int32, device=DEVICE),
+                                    torch.zeros(0, dtype=torch.int32, device=DEVICE), mask, AB, 4, 16, 0, impl=impl)
+    cache = torch.zeros(3, 16, 2, 16, device=DEVICE)
+    assert plan.run(torch.zeros(0, 4, 4, 16, device=DEVICE), cache, cache).shape == (0, 4, 4, 16)
+
+
+def test_plan_validates_the_step_once_and_each_layer_against_it():
+    """Bad step inputs fail at create, naming what is wrong; a layer whose
+    shapes do not match the plan fails at run (never a wrong answer)."""
+    p = finite_problem("random", 6, [2, 9], seed=1)
+    cpu = torch.device("cpu")
+    q, k_cache, v_cache, table, ctx, mask, mode, _ = p.args(cpu)
+    from spec_tree_kernels.attention_plan import TreeAttentionPlan
+
+    with pytest.raises(ValueError, match="tree_mask must be"):
+        TreeAttentionPlan.create(table, ctx, mask[:1], mode, 6, 16)
+    with pytest.raises(ValueError, match="FULL_MASK"):
+        TreeAttentionPlan.create(table, ctx, mask, TreeMaskMode.FULL_MASK, 6, 16)
+    with pytest.raises(ValueError, match="batch"):
+        TreeAttentionPlan.create(table[:1], ctx, mask, mode, 6, 16)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        TreeAttentionPlan.create(table.float(), ctx, mask, mode, 6, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        TreeAttentionPlan.create(table, ctx, mask, mode, 6, 0)
+    plan = TreeAttentionPlan.create(table, ctx, mask, mode, 6, 16, impl="torch")
+    with pytest.raises(ValueError, match="6 nodes"):
+        plan.run(q[:, :5], k_cache, v_cache)
+    with pytest.raises(ValueError, match="block size 8"):
+        plan.run(q, k_cache.view(-1, 8, *k_cache.shape[2:]), v_cache.view(-1, 8, *v_cache.shape[2:]))
+    with pytest.raises(TypeError, match="dtype"):
+        plan.run(q.half(), k_cache, v_cache)
+
+
+def test_plan_resolves_its_impl_like_every_op(monkeypatch):
+    """``impl="auto"`` goes through ``resolve_impl`` (SPEC_TREE_KERNELS_IMPL honoured)."""
+    p = finite_problem("random", 4, [3, 8], seed=2)
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "torch")
+    assert plan_of(p, "auto").impl == "torch"
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "triton")
+    if _triton_usable(DEVICE):
+        assert plan_of(p, "auto").impl == "triton"
+    else:
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            plan_of(p, "auto")

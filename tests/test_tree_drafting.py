@@ -1,5 +1,5 @@
-"""Batched EAGLE-2 expansion (spec_plugins.tree_drafting) and the per-step tree
-attention plan (spec_tree_kernels.attention_plan), engine-free."""
+"""Batched EAGLE-2 expansion (spec_plugins.tree_drafting), engine-free (the per-step
+tree attention plan is tested with the kernels, tests/test_tree_attention.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import torch
 
 import spec_tree_kernels as stk
 from spec_plugins.tree_drafting import TreeShape, expand_pool, select_trees
-from spec_tree_kernels.attention_plan import TreeAttentionPlan
-from spec_tree_kernels.attention_reference import tree_attention_reference
 
 
 def _random_step(vocab: int, hidden: int, seed: int):
@@ -67,22 +65,6 @@ def test_expand_pool_passes_each_frontier_its_ancestors():
     for r in range(R):
         for j in range(K):
             assert seen[2][r, j].nonzero().flatten().tolist() == [int(survivors[r, j])]
-
-
-@pytest.mark.parametrize("mode", ["ANCESTOR_BITMASK", "PARENT_POINTER", "QLEN_ONLY"])
-def test_attention_plan_equals_reference(mode):
-    gen = torch.Generator().manual_seed(11)
-    B, T, hq, hkv, D, bs, nb = 3, 5, 4, 2, 16, 8, 20
-    parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, 0, 1, 2, 3], [-1, 0, 0, 0, 0]])
-    ctx = torch.tensor([13, 0, 30])
-    tree = stk.tree_from_parents(parents, ctx, mode)
-    k_cache, v_cache = torch.randn(nb, bs, hkv, D, generator=gen), torch.randn(nb, bs, hkv, D, generator=gen)
-    block_table = torch.stack([torch.randperm(nb, generator=gen)[:8] for _ in range(B)]).to(torch.int32)
-    q = torch.randn(B, T, hq, D, generator=gen)
-    want = tree_attention_reference(q, k_cache, v_cache, block_table, ctx, tree.tree_mask, mode)
-    plan = TreeAttentionPlan.create(block_table, ctx, tree.tree_mask, mode, T, bs, max_context_len=30)
-    assert plan.blocks.shape == (B, 5)  # ceil((30 + 5) / 8): only the blocks the longest request uses
-    torch.testing.assert_close(plan.run(q, k_cache, v_cache, D ** -0.5), want, rtol=1e-5, atol=1e-5)
 
 
 def test_top1_path_is_what_a_chain_drafts():

@@ -3,8 +3,9 @@
 ``spec_tree``         TorchNativeAttnBackend for prefill/decode (CPU or GPU).
 ``spec_tree_triton``  SGLang's TritonAttnBackend for prefill/decode (GPU).
 
-Both route TARGET_VERIFY through ``spec_tree_kernels.tree_attention`` (Triton
-on CUDA tensors, the torch reference otherwise) over SGLang's token pool,
+Both route TARGET_VERIFY through ``spec_tree_kernels.attention_plan``'s
+``TreeAttentionPlan`` (planned once per step in ``init_forward_metadata``,
+run by every layer; Triton on CUDA tensors, torch otherwise) over SGLang's token pool,
 viewed as a paged cache of block size 1 whose block table is the request's
 ``req_to_token`` row: the verify nodes sit at positions ``seq_len ..
 seq_len + T - 1`` exactly as ``eagle_prepare_for_verify`` allocated them.
@@ -29,19 +30,20 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.attention.verify_mask import VerifyMask
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from spec_tree_kernels import TreeMaskMode, resolve_impl, tree_attention
+from spec_tree_kernels import TreeMaskMode, resolve_impl
+from spec_tree_kernels.attention_plan import TreeAttentionPlan
 from spec_tree_kernels.modes import MODES, TREE_ATTENTION_MODES, empty_tree_mask, mask_dtype
 
 from .config import ALGORITHM_NAME, BACKEND_TORCH, requested_mask_mode, resolve_mask_mode
 
 
 class TreeVerifyMeta(NamedTuple):
-    block_table: torch.Tensor  # [bs, width] int32: req_to_token rows
-    context_lens: torch.Tensor  # [bs] committed lengths
-    tree_mask: torch.Tensor
-    mode: TreeMaskMode
+    """One TARGET_VERIFY step: ``plan`` was made once in ``init_forward_metadata``
+    and is run by every layer."""
+
+    plan: TreeAttentionPlan
+    batch: int
     nodes: int
-    impl: str
 
 
 def _spec_num_draft_tokens() -> Optional[int]:
@@ -128,7 +130,7 @@ def check_unpadded_verify_batches(backend_name: str) -> None:
 
 
 class TreeVerifyMixin:
-    """Target verify through ``tree_attention``; everything else is the parent's."""
+    """Target verify through a ``TreeAttentionPlan``; everything else is the parent's."""
 
     backend_name = BACKEND_TORCH
     tree_attention_impl = "auto"  # "torch" | "triton" | "auto" (spec_tree_kernels.resolve_impl)
@@ -186,18 +188,23 @@ class TreeVerifyMixin:
         return resolve_impl("attention", self.tree_attention_impl, device)
 
     def tree_verify_metadata(self, forward_batch) -> TreeVerifyMeta:
+        """Plan the step's verify attention: the token pool is a paged cache of
+        block size 1 whose block table rows are the requests' req_to_token rows."""
         spec = forward_batch.spec_info
         bs = len(forward_batch.req_pool_indices)
         nodes = int(spec.draft_token_num)
         impl = self._resolve_impl(forward_batch.seq_lens.device)
         rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
+        longest = None
         if impl == "torch":
-            # The reference gathers every addressed position: bound the width (host sync; CPU path).
+            # The torch path reads every position up to the bound: bound it (the CPU copy
+            # SGLang keeps, so no sync; a device read only when it has none, on the CPU path).
             cpu_lens = getattr(forward_batch, "seq_lens_cpu", None)
-            longest = int(cpu_lens.max()) if cpu_lens is not None and bs else int(forward_batch.seq_lens.max()) if bs else 0
-            rows = rows[:, : min(rows.shape[1], longest + nodes)]
+            lens = cpu_lens if cpu_lens is not None else forward_batch.seq_lens
+            longest = int(lens.max()) if bs else 0
         mask, mode = self._mask_view(spec.custom_mask, bs, nodes)
-        return TreeVerifyMeta(rows, forward_batch.seq_lens, mask, mode, nodes, impl)
+        plan = TreeAttentionPlan.create(rows, forward_batch.seq_lens, mask, mode, nodes, 1, longest, impl=impl)
+        return TreeVerifyMeta(plan, bs, nodes)
 
     def _mask_view(self, custom_mask: torch.Tensor, bs: int, nodes: int):
         if nodes == 1:  # a one-node tree (speculative_num_steps == 0): the root sees itself
@@ -244,20 +251,9 @@ class TreeVerifyMixin:
                 f"attention backend {self.backend_name!r} needs the KV cache in the model dtype {q.dtype}, "
                 f"got {k_cache.dtype} (--kv-cache-dtype)"
             )
-        bs = meta.context_lens.shape[0]
-        q4 = q.reshape(bs, meta.nodes, layer.tp_q_head_num, layer.qk_head_dim)
-        out = tree_attention(
-            q4,
-            k_cache.unsqueeze(1),
-            v_cache.unsqueeze(1),
-            meta.block_table,
-            meta.context_lens,
-            meta.tree_mask,
-            meta.mode,
-            scale=layer.scaling,
-            impl=meta.impl,
-        )
-        return out.reshape(bs * meta.nodes, layer.tp_q_head_num * layer.v_head_dim)
+        q4 = q.reshape(meta.batch, meta.nodes, layer.tp_q_head_num, layer.qk_head_dim)
+        out = meta.plan.run(q4, k_cache.unsqueeze(1), v_cache.unsqueeze(1), scale=layer.scaling)
+        return out.reshape(meta.batch * meta.nodes, layer.tp_q_head_num * layer.v_head_dim)
 
 
 class TreeVerifyTorchNativeBackend(TreeVerifyMixin, TorchNativeAttnBackend):

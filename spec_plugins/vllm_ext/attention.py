@@ -16,11 +16,13 @@ KV in a scratch tensor, ancestor mask).
 
 * CPU: ``TreeCPUAttentionBackend`` takes CPU_ATTN's place (the CPU platform
   ignores ``--attention-backend`` and always asks for CPU_ATTN's path, so the
-  override of that path is the only way in). Tree rows: the torch plan/run
-  of ``spec_tree_kernels.attention_plan`` (planned once per step).
+  override of that path is the only way in).
 * GPU (vLLM 0.33, written against its source, not executed here):
-  ``TreeFlashAttentionBackend`` registered as CUSTOM; tree rows use the Triton
-  kernel of ``spec_tree_kernels.tree_attention``.
+  ``TreeFlashAttentionBackend`` registered as CUSTOM.
+
+Tree rows go through ``spec_tree_kernels.attention_plan.TreeAttentionPlan``:
+planned by the first layer of a step (per tree size), run by every layer;
+torch on CPU, the Triton kernels on CUDA (``TreeRowsMixin.tree_impl``).
 
 KV views handed to the kernels are [num_blocks, block_size, Hkv, D]:
 CPU cache [num_blocks, Hkv, block_size, 2 * D] holds per block and head
@@ -38,7 +40,6 @@ import torch
 
 from vllm.v1.attention.backend import AttentionType
 
-import spec_tree_kernels as stk
 from spec_tree_kernels.attention_plan import TreeAttentionPlan
 
 
@@ -57,14 +58,16 @@ class VerifyTrees:
     groups: dict
     max_context: int = 0
     covers_batch: bool = False
-    plans: dict = field(default_factory=dict)  # (block table, T) -> TreeAttentionPlan, built on first use
+    plans: dict = field(default_factory=dict)  # (block table, T, impl) -> TreeAttentionPlan, made by the first layer
 
-    def plan(self, nodes: int, block_table: torch.Tensor, block_size: int) -> TreeAttentionPlan:
-        key = (block_table.data_ptr(), nodes)
+    def plan(self, nodes: int, block_table: torch.Tensor, block_size: int, impl: str) -> TreeAttentionPlan:
+        """The step's plan for the trees of ``nodes`` nodes; every layer after
+        the first reuses it (same block table, same trees)."""
+        key = (block_table.data_ptr(), nodes, impl)
         if key not in self.plans:
             req_idx, _, ctx, mask = self.groups[nodes]
             self.plans[key] = TreeAttentionPlan.create(block_table[req_idx], ctx, mask, self.mode, nodes, block_size,
-                                                       self.max_context)
+                                                       self.max_context, impl=impl)
         return self.plans[key]
 
 
@@ -135,14 +138,10 @@ def compute_tree_rows(trees: VerifyTrees, query, output, k_view, v_view, block_t
     """Write the published trees' rows of ``output`` ([N, Hq*D] or [N, Hq, D])."""
     out = output.view(output.shape[0], num_heads, head_size)
     q_all = query.view(query.shape[0], num_heads, head_size)
-    for nodes, (req_idx, q_starts, ctx, mask) in trees.groups.items():
+    for nodes, (_, q_starts, _, _) in trees.groups.items():
         rows = q_starts[:, None] + torch.arange(nodes, device=q_starts.device)  # [B_T, T]
-        q = q_all[rows]  # [B_T, T, Hq, D]
-        if impl == "torch":
-            res = trees.plan(nodes, block_table, k_view.shape[1]).run(q, k_view, v_view, scale)
-        else:
-            res = stk.tree_attention(q, k_view, v_view, block_table[req_idx], ctx, mask, trees.mode, scale=scale,
-                                     impl=impl)
+        plan = trees.plan(nodes, block_table, k_view.shape[1], impl)
+        res = plan.run(q_all[rows], k_view, v_view, scale)  # q_all[rows]: [B_T, T, Hq, D]
         out[rows.flatten()] = res.reshape(-1, num_heads, head_size).to(out.dtype)
 
 
