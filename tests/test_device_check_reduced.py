@@ -32,6 +32,11 @@ def test_reduced_device_check(tmp_path):
     assert {"select/triton", "build/triton", "verify/triton", "move/triton"} <= set(triton["counts"])
     assert triton["accepted_draft_tokens"] > 0  # the verify cases accept something
     assert report["bench"]["rows"] and "ours_by_mode" in report["headline"]["eager_us"]
+    bench = report["bench"]  # the harness's tree-ops point: every op of both impls, none raising
+    assert not [r for r in bench["rows"] if "error" in r] and "errors" not in bench, bench.get("errors")
+    for impl in ("torch", "triton"):
+        ops = {r["op"] for r in bench["rows"] if r["impl"] == impl}
+        assert {"select", "verify", "verify_sampling", "move_kv", "build_FULL_MASK_nofill", "build_PARENT_POINTER"} <= ops
     attention = report["tree_attention"]  # issue #17's section: every part runs
     assert attention["failed"] == 0 and attention["correctness"]["passed"] >= 3, attention["correctness"]
     rows = attention["sweep"]["rows"]
