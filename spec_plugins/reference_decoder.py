@@ -10,18 +10,18 @@ or sampled:
     out = dec.generate(prompt_ids, 128, 5, 4, 8, temperature=0.7, top_p=0.9, seed=0)
     # distributed exactly as dec.sample(prompt_ids, 128, temperature=0.7, top_p=0.9)
 
-One iteration (SGLang's EAGLE-2 pipeline, with ``spec_tree_kernels`` ops), one
-method each:
+One iteration, ``TreeDecoder.step`` (SGLang's EAGLE-2 pipeline, with
+``spec_tree_kernels`` ops; timed from there, one named method per sub-step):
 
 * ``_draft``: the head expands the root's top-k children, then num_steps - 1
   forwards grow the k best paths by cumulative probability; every candidate
   goes to a pool (K + (S-1) K^2 scores, SGLang's order and parent_list);
-* ``_build``: ``select_tree_nodes`` keeps the T - 1 best (ancestor-closed),
-  ``build_tree`` gives positions (context + depth), the QLEN_ONLY ancestor mask
-  and the first-child / next-sibling links;
-* ``_verify``: one target forward over the T nodes with a float 4D additive
-  mask (prefix visible, tree columns = ancestors-or-self) over the KV cache,
-  then the walk: ``verify_tree_greedy`` with the target's argmax (temperature
+* ``_select``: ``select_tree_nodes`` keeps the T - 1 best (ancestor-closed);
+* ``_build``: ``build_tree`` gives positions (context + depth), the QLEN_ONLY
+  ancestor mask and the first-child / next-sibling links;
+* verify: one target forward over the T nodes with a float 4D additive
+  mask (prefix visible, tree columns = ancestors-or-self) over the KV cache;
+* ``_walk``: ``verify_tree_greedy`` with the target's argmax (temperature
   0), or ``verify_tree_sampling`` (temperature > 0: target-only recursive
   rejection with the target's ``sampling_probs`` at every node and randoms from
   the request's seeded generator; exact in distribution because the drafts are
@@ -38,6 +38,7 @@ Draft forwards per iteration S = num_steps (num_steps - 1 tree steps + 1 extend)
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -127,6 +128,15 @@ class Timer:
     def mean(self, key: str) -> float:
         return self.seconds.get(key, 0.0) / max(1, self.calls.get(key, 0))
 
+    @contextlib.contextmanager
+    def section(self, key: str):
+        """Time the ``with`` body under ``key`` (one call)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - start)
+
 
 @dataclass
 class Output:
@@ -202,6 +212,45 @@ class _State:
     root: int  # the last emitted token, not yet in either cache
 
 
+# ------------------------------------------------- the pure sub-steps
+# Batched over R requests and engine-free: the adapters' tests run them as the
+# per-step oracle on the pools their engines drafted.
+
+
+def select_tree(scores: torch.Tensor, parent_list: torch.Tensor, shape: TreeShape, impl: str = "torch"):
+    """select: [R, T - 1] pool indices of the T - 1 best candidates of each
+    pool (scores [R, P], parent_list [R, 1 + (S-1)K]), ancestor-closed."""
+    return stk.select_tree_nodes(scores, parent_list, shape.topk, shape.num_steps, shape.num_draft_tokens, impl=impl)
+
+
+def build_verify_tree(pool_tokens: torch.Tensor, parent_list: torch.Tensor, selected: torch.Tensor,
+                      roots: torch.Tensor, kv_lens: torch.Tensor, shape: TreeShape, impl: str = "torch"):
+    """build: the verify trees of the selected candidates under each root.
+    Returns (candidates [R, T] node tokens, node 0 the root; ``stk.TreeBuild``
+    with positions kv_len + depth, the QLEN_ONLY ancestor mask and the
+    first-child / next-sibling links)."""
+    tree = stk.build_tree(selected, parent_list, kv_lens, shape.topk, shape.num_steps, stk.TreeMaskMode.QLEN_ONLY,
+                          impl=impl)
+    return torch.cat([roots[:, None], pool_tokens.gather(1, selected)], 1), tree
+
+
+def walk_tree(candidates: torch.Tensor, tree, logits: torch.Tensor, num_steps: int,
+              sampling: "Sampling | None" = None, impl: str = "torch"):
+    """walk: the verify walk over the target's logits [R, T, V] at the nodes of
+    ``build_verify_tree``'s trees: greedy (argmax) when ``sampling`` is None,
+    else target-only recursive rejection (``sampling_probs`` at every node).
+    Returns ``stk.VerifyResult``."""
+    links = (tree.retrieve_next_token, tree.retrieve_next_sibling)
+    if sampling is None:
+        return stk.verify_tree_greedy(candidates, *links, logits.argmax(-1), num_steps, impl=impl)
+    if logits.shape[0] != 1:
+        raise ValueError(f"a sampled walk takes one request (a Sampling holds one request's generator), "
+                         f"got {logits.shape[0]}")
+    probs = sampling.probs(logits[0])
+    coins, exponentials = sampling.randoms(probs.shape[0], probs.shape[1], probs.dtype)
+    return stk.verify_tree_sampling(candidates, *links, probs[None], coins, exponentials, num_steps, impl=impl)
+
+
 @dataclass
 class _Tree:
     candidates: torch.Tensor  # [T] node tokens, node 0 = the root
@@ -267,22 +316,33 @@ class TreeDecoder:
         t0 = time.perf_counter()
         state = self._prefill(torch.as_tensor(prompt_ids, dtype=torch.long), sampling, out)
         while len(out.tokens) < max_new_tokens and not (stop_at_eos and out.tokens[-1] == self.eos):
-            pool = self._draft(state, shape, out.timer)
-            tree = self._build(state, pool, shape, out.timer)
-            logits, aux, final, res = self._verify(state, tree, shape.num_steps, sampling, out.timer)
-            acc = int(res.accept_length[0])
-            emitted = res.accept_tokens[0, : acc + 1]
-            self._move(state, res, shape.num_draft_tokens, out.timer)
-            out.accept_lengths.append(acc)
-            out.tokens.extend(int(t) for t in emitted)
-            self._extend(state, emitted, res.accept_index[0, : acc + 1].long(), aux, final, out.timer)
-            if stop_at_eos and self.eos in emitted.tolist():
+            emitted = self.step(state, shape, sampling, out.timer)
+            out.accept_lengths.append(len(emitted) - 1)
+            out.tokens.extend(emitted)
+            if stop_at_eos and self.eos in emitted:
                 break
         if stop_at_eos and self.eos in out.tokens:
             out.tokens = out.tokens[: out.tokens.index(self.eos) + 1]
         out.tokens = out.tokens[:max_new_tokens]
         out.seconds = time.perf_counter() - t0
         return out
+
+    def step(self, state: "_State", shape: TreeShape, sampling: "Sampling | None", timer: Timer) -> list[int]:
+        """One speculative iteration; returns the emitted tokens (the accepted
+        drafts, then the bonus token, which is the next root)."""
+        with timer.section("draft_tree"):
+            pool = self._draft(state, shape, timer)
+        with timer.section("tree_ops"):
+            selected = self._select(pool, shape)
+            tree = self._build(state, pool, selected, shape)
+        with timer.section("verify"):
+            logits, aux, final = self.target.forward(tree.candidates, tree.tree.positions[0], state.cache, tree.bias)
+        with timer.section("tree_ops"):
+            res = self._walk(tree, logits, shape.num_steps, sampling)
+            emitted, path = self._move(state, res, shape.num_draft_tokens)
+        with timer.section("draft_extend"):
+            self._extend(state, emitted, path, aux, final)
+        return emitted.tolist()
 
     def _features(self, aux, final):
         return self.head.fuse(aux if self.kind == "eagle3" else final)
@@ -296,75 +356,51 @@ class TreeDecoder:
         logits, aux, final = self.target.forward(ids, torch.arange(n), cache)
         root = int(logits[-1].argmax()) if sampling is None else sampling.draw(logits[-1])
         out.tokens.append(root)
-        t1 = time.perf_counter()
-        d_logits, d_hidden, dk, dv = self.head.step(torch.cat([ids[1:], torch.tensor([root])]),
-                                                    self._features(aux, final), torch.arange(n))
-        out.timer.add("draft_prefill", time.perf_counter() - t1)
+        with out.timer.section("draft_prefill"):
+            d_logits, d_hidden, dk, dv = self.head.step(torch.cat([ids[1:], torch.tensor([root])]),
+                                                        self._features(aux, final), torch.arange(n))
         return _State(cache, dk, dv, d_logits[-1], d_hidden[-1], kv_len=n, root=root)
 
-    def _draft(self, state: _State, shape: TreeShape, tm: Timer):
+    def _draft(self, state: _State, shape: TreeShape, timer: Timer):
         """The candidate pool: (scores [P], pool_tokens [P], parent_list)."""
-        t1 = time.perf_counter()
-        pool = expand_head_pool(self.head, state.last_logits, state.last_hidden, state.draft_k, state.draft_v,
-                                state.kv_len, shape.num_steps, shape.topk, tm.add)
-        tm.add("draft_tree", time.perf_counter() - t1)
-        return pool
+        return expand_head_pool(self.head, state.last_logits, state.last_hidden, state.draft_k, state.draft_v,
+                                state.kv_len, shape.num_steps, shape.topk, timer.add)
 
-    def _build(self, state: _State, pool, shape: TreeShape, tm: Timer) -> _Tree:
-        """Select the T - 1 best pool entries (ancestor-closed) and build the verify tree."""
-        t1 = time.perf_counter()
-        scores, pool_tokens, parent_list = pool
+    def _select(self, pool, shape: TreeShape) -> torch.Tensor:
+        scores, _, parent_list = pool
+        return select_tree(scores[None], parent_list[None], shape, self.impl)
+
+    def _build(self, state: _State, pool, selected: torch.Tensor, shape: TreeShape) -> _Tree:
+        """The verify tree and the target's additive mask over its cache."""
+        _, pool_tokens, parent_list = pool
         kv_len, T = state.kv_len, shape.num_draft_tokens
-        num_steps, topk = shape.num_steps, shape.topk
-        selected = stk.select_tree_nodes(scores[None], parent_list[None], topk, num_steps, T, impl=self.impl)
-        tree = stk.build_tree(selected, parent_list[None], torch.tensor([kv_len]), topk, num_steps,
-                              stk.TreeMaskMode.QLEN_ONLY, impl=self.impl)
-        candidates = torch.cat([torch.tensor([state.root]), pool_tokens[selected[0]]])
+        candidates, tree = build_verify_tree(pool_tokens[None], parent_list[None], selected,
+                                             torch.tensor([state.root]), torch.tensor([kv_len]), shape, self.impl)
         bias = torch.zeros(T, kv_len + T)
         bias[:, kv_len:] = torch.where(tree.tree_mask.view(T, T), 0.0, float("-inf"))
-        tm.add("tree_ops", time.perf_counter() - t1)
-        return _Tree(candidates, tree, bias)
+        return _Tree(candidates[0], tree, bias)
 
-    def _verify(self, state: _State, t: _Tree, num_steps: int, sampling: Sampling | None, tm: Timer):
-        """One target forward over the tree, then the walk: greedy (argmax) or
-        target-only recursive rejection (``sampling_probs`` at every node).
-        Returns (logits, aux, final, VerifyResult)."""
-        t1 = time.perf_counter()
-        logits, aux, final = self.target.forward(t.candidates, t.tree.positions[0], state.cache, t.bias)
-        tm.add("verify", time.perf_counter() - t1)
-        t1 = time.perf_counter()
-        links = (t.tree.retrieve_next_token, t.tree.retrieve_next_sibling)
-        if sampling is None:
-            res = stk.verify_tree_greedy(t.candidates[None], *links, logits.argmax(-1)[None], num_steps,
-                                         impl=self.impl)
-        else:
-            probs = sampling.probs(logits)
-            coins, exponentials = sampling.randoms(probs.shape[0], probs.shape[1], probs.dtype)
-            res = stk.verify_tree_sampling(t.candidates[None], *links, probs[None], coins, exponentials, num_steps,
-                                           impl=self.impl)
-        tm.add("tree_ops", time.perf_counter() - t1)
-        return logits, aux, final, res
+    def _walk(self, t: _Tree, logits: torch.Tensor, num_steps: int, sampling: Sampling | None):
+        return walk_tree(t.candidates[None], t.tree, logits[None], num_steps, sampling, self.impl)
 
-    def _move(self, state: _State, res, num_draft_tokens: int, tm: Timer) -> None:
+    def _move(self, state: _State, res, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """KV compaction: the accepted nodes' rows to slots kv_len .. kv_len + acc,
-        the rejected tail cropped (cache length kv_len + acc + 1)."""
-        t1 = time.perf_counter()
+        the rejected tail cropped (cache length kv_len + acc + 1). Returns the
+        emitted tokens and the accepted nodes (tree indices)."""
         T, acc = num_draft_tokens, int(res.accept_length[0])
         stk.move_accepted_kv(self.target.kv_views(state.cache), state.kv_len + torch.arange(T)[None],
                              res.accept_index, res.accept_length, impl=self.impl)
         if T - acc - 1 > 0:
             state.cache.crop(-(T - acc - 1))
-        tm.add("tree_ops", time.perf_counter() - t1)
+        return res.accept_tokens[0, : acc + 1], res.accept_index[0, : acc + 1].long()
 
-    def _extend(self, state: _State, emitted: torch.Tensor, path: torch.Tensor, aux, final, tm: Timer) -> None:
+    def _extend(self, state: _State, emitted: torch.Tensor, path: torch.Tensor, aux, final) -> None:
         """The head catches up over the accepted nodes (their tokens' successors
         and the target's features there); the last emitted token is the next root."""
-        t1 = time.perf_counter()
         n = len(emitted)
-        d_logits, d_hidden, k, v = self.head.step(emitted, self._features(aux[path] if aux is not None else None,
-                                                                           final[path]),
-                                                  state.kv_len + torch.arange(n), state.draft_k, state.draft_v)
-        tm.add("draft_extend", time.perf_counter() - t1)
+        features = self._features(aux[path] if aux is not None else None, final[path])
+        d_logits, d_hidden, k, v = self.head.step(emitted, features, state.kv_len + torch.arange(n), state.draft_k,
+                                                  state.draft_v)
         state.draft_k, state.draft_v = torch.cat([state.draft_k, k]), torch.cat([state.draft_v, v])
         state.last_logits, state.last_hidden = d_logits[-1], d_hidden[-1]
         state.kv_len += n

@@ -75,9 +75,9 @@ class HotterTreePath(TreeDecoder):
     """Negative control: the tree nodes' distribution uses temperature x 1.5
     (the first token after prefill is still right)."""
 
-    def _verify(self, state, t, num_steps, sampling, tm):
+    def _walk(self, t, logits, num_steps, sampling):
         hot = dataclasses.replace(sampling, temperature=sampling.temperature * 1.5)
-        return super()._verify(state, t, num_steps, hot, tm)
+        return super()._walk(t, logits, num_steps, hot)
 
 
 @pytest.fixture(scope="module")

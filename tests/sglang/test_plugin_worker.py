@@ -263,6 +263,73 @@ def test_worker_tree_build_runs_on_cpu(ckpt, monkeypatch, mode):
     assert verify_input.retrieve_index.tolist() == torch.arange(bs * nodes).view(bs, nodes).tolist()
 
 
+@pytest.mark.parametrize("mode", [TreeMaskMode.ANCESTOR_BITMASK, TreeMaskMode.PARENT_POINTER, TreeMaskMode.QLEN_ONLY],
+                         ids=lambda m: m.name)  # fmt: skip
+def test_worker_step_equals_the_reference_decoders_step(ckpt, monkeypatch, mode):
+    """The per-step oracle: SGLang's draft loop with our hooks, then its greedy
+    verify with our hook, against the reference decoder's sub-steps on the same
+    draft model (``tree_drafting.expand_pool`` over the table, then
+    ``reference_decoder.select_tree`` / ``build_verify_tree`` / ``walk_tree``):
+    the same tree (tokens, positions, links, ancestor sets in the backend's
+    mode) and the same accepted tokens."""
+    from sglang.srt.speculative.eagle_info import EagleVerifyInput  # noqa: F401  (the type eagle_sample reads)
+
+    from spec_plugins.reference_decoder import build_verify_tree, select_tree, walk_tree
+    from spec_plugins.tree_drafting import TreeShape, expand_pool
+    from spec_tree_kernels.attention_reference import tree_mask_to_dense
+
+    shape, bs = TreeShape(4, 3, 10), 3
+    publish(ckpt, shape.num_steps, shape.topk, shape.num_draft_tokens)
+    gen = torch.Generator().manual_seed(7 + int(mode))
+    table = torch.randn(VOCAB, VOCAB, generator=gen) * 3
+    first_logits = torch.randn(bs, VOCAB, generator=gen) * 3
+    topk_p, topk_index = torch.softmax(first_logits, -1).topk(shape.topk, dim=-1)
+    seq_lens = torch.randint(5, 40, (bs,), generator=gen)
+    backend = make_backend(mode)
+    with engine_patches.activated(engine_patches.TreeRuntime(mode, impl="torch")):
+        worker = draft_worker_double(table, shape.topk, shape.num_steps, shape.num_draft_tokens, backend)
+        verify_input, _, _ = run_sglang_draft(monkeypatch, worker, topk_p, topk_index, seq_lens)
+
+    def table_step(level, tokens, hidden, ancestors):  # the draft model double, as a drafting step
+        return table[tokens], hidden
+
+    scores, pool_tokens, parent_list = expand_pool(first_logits, torch.zeros(bs, 8), None, shape.num_steps,
+                                                   shape.topk, table_step)
+    selected = select_tree(scores, parent_list, shape)
+    candidates, tree = build_verify_tree(pool_tokens, parent_list, selected, torch.arange(bs) + 100, seq_lens, shape)
+    T = shape.num_draft_tokens
+    assert verify_input.draft_token.view(bs, T).tolist() == candidates.tolist()
+    assert verify_input.positions.view(bs, T).tolist() == tree.positions.tolist()
+    assert verify_input.retrieve_next_token.tolist() == tree.retrieve_next_token.tolist()
+    assert verify_input.retrieve_next_sibling.tolist() == tree.retrieve_next_sibling.tolist()
+    theirs = tree_mask_to_dense(backend._mask_view(verify_input.custom_mask, bs, T)[0], mode, bs, T)
+    assert torch.equal(theirs, tree_mask_to_dense(tree.tree_mask, TreeMaskMode.QLEN_ONLY, bs, T))
+
+    # target logits that follow the drafts part of the way: some paths accepted, none whole
+    logits = torch.randn(bs, T, VOCAB, generator=gen)
+    for b in range(bs):
+        for i in range(T):
+            child = int(tree.retrieve_next_token[b, i])
+            if child >= 0 and (b + i) % 3:
+                logits[b, i, int(candidates[b, child])] += 50.0
+    sampling_info = types.SimpleNamespace(
+        is_all_greedy=True, acc_additive_penalties=None, acc_scaling_penalties=None, logit_bias=None,
+        has_watermark_candidates=False,
+    )  # fmt: skip
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, seq_lens=seq_lens, device="cpu",
+                                  sampling_info=sampling_info)
+    with engine_patches.activated(engine_patches.TreeRuntime(mode, impl="torch")):
+        predict, accept_lens, accept_index = eagle_utils.eagle_sample(
+            verify_input, batch, types.SimpleNamespace(next_token_logits=logits.view(bs * T, VOCAB).clone()))
+    ours = walk_tree(candidates, tree, logits, shape.num_steps)
+    assert accept_lens.tolist() == (ours.accept_length + 1).tolist()
+    assert int(ours.accept_length.max()) > 0  # a path beyond the root was accepted somewhere
+    for b in range(bs):
+        n = int(accept_lens[b])
+        assert [int(predict[i]) for i in accept_index[b, :n]] == ours.accept_tokens[b, :n].tolist()
+        assert (accept_index[b, :n] - b * T).tolist() == ours.accept_index[b, :n].tolist()
+
+
 # ------------------------------------------------------ verify and KV move
 
 
