@@ -20,8 +20,8 @@ HEADLINE_POINT = (256, 8, 32768)  # (batch, T, context)
 GRAPH_CALLS = 10
 POINT_RESERVE_S, CALL_RESERVE_S = 60, 45  # budget a (batch, T) point / one timed call needs to start
 FULL_NOTE = ("CUDA-event medians in microseconds; eager_us = one call with the GPU idle before it (host "
-             "launch overhead included), graph_us = one replay of a CUDA graph of 10 back-to-back "
-             "calls / 10 (GPU time per call); warm L2")  # fmt: skip
+             f"launch overhead included), graph_us = one replay of a CUDA graph of {GRAPH_CALLS} back-to-back "
+             f"calls / {GRAPH_CALLS} (GPU time per call); warm L2")  # fmt: skip
 REDUCED_NOTE = "reduced mode: a smoke run of the benchmark code (CPU, Triton interpreter); timings are meaningless"
 
 
