@@ -36,8 +36,9 @@ call is CUDA-graph capturable.
 Modules: ``attention_reference`` (validation, the torch reference),
 ``attention_triton`` (the kernels and their launch plan), ``attention_plan``
 (``TreeAttentionPlan``: the step's host work once, then one run per layer; what
-the engine adapters call), ``attention_bench`` (the GPU benchmark and sweep).
-This module is the one-call public face.
+the engine adapters call). This module is the one-call public face. The GPU
+benchmark and sweep are the repository's harness,
+``spec_plugins.kernel_bench.attention`` (not in the wheel).
 
 Triton kernels (``attention_triton`` documents them): the GQA group's Hq/Hkv
 query heads of a block of nodes are stacked into the rows of one
@@ -83,16 +84,3 @@ def tree_attention(q, k_cache, v_cache, block_table, context_lens, tree_mask, mo
     if resolve_impl("attention", impl, q.device) == "triton":
         return tree_attention_triton(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale)
     return tree_attention_reference(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale)
-
-
-def bench_tree_attention(*args, **kwargs):
-    """``attention_bench.bench_tree_attention`` (imported on use)."""
-    from .attention_bench import bench_tree_attention as bench
-
-    return bench(*args, **kwargs)
-
-
-if __name__ == "__main__":  # python -m spec_tree_kernels.attention (needs a GPU)
-    from .attention_bench import main
-
-    main()

@@ -12,7 +12,7 @@ found: engines call ``ensure_built()`` (through ``spec_tree_kernels.prepare``)
 at worker startup; otherwise the first ``available()`` or op builds them. The
 compile runs in a child process under a timeout (this module run as
 ``__main__``), behind a build lock that survives killed builds
-(``startup.py``); when it cannot build, ``available()`` is False, the reason
+(``startup.py``, ``cuda_build_guard.py``); when it cannot build, ``available()`` is False, the reason
 is logged, and ``impl="auto"`` uses Triton. How a build is made (toolchain,
 compile, cache): ``cuda_build.py``; the two backends it yields (the torch
 ``extension``, preferred, and ``ctypes``, its fallback): ``cuda_backends.py``.
@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from . import startup
+from . import cuda_build_guard
 from .cuda_backends import CtypesBackend, ExtensionBackend
 from .cuda_build import (
     CSRC,
@@ -91,10 +91,10 @@ def _build_and_load(timeout: float):
     nvcc = find_nvcc()
     choice = os.environ.get("SPEC_TREE_KERNELS_CUDA_BACKEND", "auto")
     deadline = time.monotonic() + timeout
-    with startup.BuildLock(cache_dir() / "build.lock", timeout):
-        if startup.remove_if_exists(extension_dir() / "lock"):
+    with cuda_build_guard.BuildLock(cache_dir() / "build.lock", timeout):
+        if cuda_build_guard.remove_if_exists(extension_dir() / "lock"):
             logger.warning("spec_tree_kernels: removed torch's stale build lock in %s (a killed build)", extension_dir())
-        built = startup.run_build_child(["--compile", choice], max(deadline - time.monotonic(), 1.0))
+        built = cuda_build_guard.run_build_child(["--compile", choice], max(deadline - time.monotonic(), 1.0))
         return compile_backend(nvcc, built)
 
 
@@ -108,7 +108,7 @@ def _load(timeout: float | None = None):
         if reason is None:
             started = time.monotonic()
             try:
-                _state["backend"] = _build_and_load(startup.build_timeout(timeout))
+                _state["backend"] = _build_and_load(cuda_build_guard.build_timeout(timeout))
                 logger.info("spec_tree_kernels: CUDA kernels ready (%s backend, %.1fs)", _state["backend"].name,
                             time.monotonic() - started)
             except Exception as exc:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import spec_tree_kernels as stk
-from spec_tree_kernels import cuda_ops, startup
+from spec_tree_kernels import cuda_build_guard, cuda_ops
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_a_failed_build_is_a_logged_fallback_not_an_exception(fresh_state, monke
     def failing_child(args, timeout):
         raise TimeoutError("CUDA kernel build did not finish in 1s (killed)")
 
-    monkeypatch.setattr(startup, "run_build_child", failing_child)
+    monkeypatch.setattr(cuda_build_guard, "run_build_child", failing_child)
     assert cuda_ops.ensure_built(timeout=1) is False
     assert "did not finish" in cuda_ops.load_error()
     assert any("Triton" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
@@ -97,7 +97,7 @@ def test_build_removes_torchs_orphaned_baton_under_our_lock(fresh_state, monkeyp
         seen["ours"] = (fresh_state / "build.lock").read_text().split()[0]
         return "ctypes"
 
-    monkeypatch.setattr(startup, "run_build_child", child)
+    monkeypatch.setattr(cuda_build_guard, "run_build_child", child)
     monkeypatch.setattr(cuda_ops, "compile_backend", lambda nvcc, choice: cuda_ops.ExtensionBackend(None))
     assert cuda_ops.ensure_built(timeout=5) is True
     assert seen == {"baton": False, "ours": str(os.getpid())}
@@ -111,7 +111,7 @@ def test_lock_of_a_killed_build_is_taken_over(tmp_path, caplog):
     path = tmp_path / "build.lock"
     _write_lock(path, _dead_pid())
     t0 = time.monotonic()
-    with startup.BuildLock(path, timeout=30):
+    with cuda_build_guard.BuildLock(path, timeout=30):
         assert path.read_text().split()[0] == str(os.getpid())
     assert time.monotonic() - t0 < 5 and not path.exists()
     assert any("stale" in r.getMessage() for r in caplog.records)
@@ -124,7 +124,7 @@ def test_lock_of_a_running_build_times_out_naming_its_owner(tmp_path):
         _write_lock(path, owner.pid)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=rf"held by pid {owner.pid}.*{path.name}|{path.name}.*pid {owner.pid}"):
-            with startup.BuildLock(path, timeout=0.6):
+            with cuda_build_guard.BuildLock(path, timeout=0.6):
                 pass
         assert 0.5 < time.monotonic() - t0 < 5
         assert path.read_text().split()[0] == str(owner.pid), "a live owner's lock is left alone"
@@ -139,7 +139,7 @@ def test_lock_released_by_its_owner_is_taken(tmp_path):
     _write_lock(path, owner.pid)
     releaser = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(0.5); os.unlink({str(path)!r})"])
     try:
-        with startup.BuildLock(path, timeout=20):
+        with cuda_build_guard.BuildLock(path, timeout=20):
             assert path.read_text().split()[0] == str(os.getpid())
     finally:
         owner.kill()
@@ -152,7 +152,7 @@ def test_locks_without_a_live_owner_are_stale(tmp_path, content, age):
     path = tmp_path / "build.lock"
     path.write_text(content)
     os.utime(path, (time.time() - age, time.time() - age))
-    with startup.BuildLock(path, timeout=5, stale_after=3600):
+    with cuda_build_guard.BuildLock(path, timeout=5, stale_after=3600):
         assert path.read_text().split()[0] == str(os.getpid())
 
 
@@ -160,7 +160,7 @@ def test_fresh_lock_of_another_host_is_waited_for(tmp_path):
     path = tmp_path / "build.lock"
     _write_lock(path, 7, host="other-host")
     with pytest.raises(TimeoutError, match="other-host"):
-        with startup.BuildLock(path, timeout=0.3, stale_after=3600):
+        with cuda_build_guard.BuildLock(path, timeout=0.3, stale_after=3600):
             pass
 
 
@@ -173,19 +173,19 @@ def test_build_child_timeout_kills_its_process_group(tmp_path):
               f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish in 2s"):
-        startup.run_killable([sys.executable, "-c", script], timeout=2, what="CUDA kernel build")
+        cuda_build_guard.run_killable([sys.executable, "-c", script], timeout=2, what="CUDA kernel build")
     assert time.monotonic() - t0 < 10
     grandchild = int(pid_file.read_text())
     for _ in range(50):  # reparented to init, reaped shortly after the kill
-        if not startup._pid_alive(grandchild):
+        if not cuda_build_guard._pid_alive(grandchild):
             break
         time.sleep(0.1)
-    assert not startup._pid_alive(grandchild), "nvcc/ninja under the build child must die with it"
+    assert not cuda_build_guard._pid_alive(grandchild), "nvcc/ninja under the build child must die with it"
 
 
 def test_build_child_reports_a_failed_build():
     with pytest.raises(RuntimeError, match="unknown SPEC_TREE_KERNELS_CUDA_BACKEND='bogus'"):
-        startup.run_build_child(["--compile", "bogus"], timeout=120)
+        cuda_build_guard.run_build_child(["--compile", "bogus"], timeout=120)
 
 
 def test_build_child_imports_this_package_not_one_found_by_name(tmp_path, monkeypatch):
@@ -199,4 +199,4 @@ def test_build_child_imports_this_package_not_one_found_by_name(tmp_path, monkey
     (decoy / "__init__.py").write_text("raise ImportError('decoy spec_tree_kernels imported')\n")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="unknown SPEC_TREE_KERNELS_CUDA_BACKEND='bogus'"):
-        startup.run_build_child(["--compile", "bogus"], timeout=120)
+        cuda_build_guard.run_build_child(["--compile", "bogus"], timeout=120)
