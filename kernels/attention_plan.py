@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .api import resolve_impl
-from .attention_reference import _check_layer_inputs, _check_step_inputs, _default_scale, tree_mask_to_dense
+from .attention_reference import _check_layer_inputs, _check_step_inputs, _default_scale, visible_positions
 from .modes import TreeMaskMode
 
 
@@ -136,19 +136,12 @@ class TreeAttentionPlan:
 
 def _torch_blocks_and_bias(block_table, context_lens, tree_mask, mode, nodes, block_size, max_context_len):
     """The blocks the longest request uses and the [B, 1, 1, T, S] additive mask over them."""
-    batch = context_lens.shape[0]
     if max_context_len is None:
         used = block_table.shape[1]
     else:
         used = min(block_table.shape[1], -(-(max_context_len + nodes) // block_size))
     blocks = block_table[:, :used].long()
-    positions = torch.arange(used * block_size, device=context_lens.device)
-    ctx = context_lens.long()[:, None]
-    node_of_pos = positions[None, :] - ctx  # [B, S]: tree node stored at each position, if any
-    in_tree = (node_of_pos >= 0) & (node_of_pos < nodes)
-    anc = tree_mask_to_dense(tree_mask, mode, batch, nodes)  # [B, T, T] ancestor-or-self
-    tree_ok = anc.gather(2, node_of_pos.clamp(0, nodes - 1)[:, None, :].expand(batch, nodes, -1))
-    allowed = (positions[None, :] < ctx)[:, None, :] | (tree_ok & in_tree[:, None, :])  # [B, T, S]
+    allowed, _ = visible_positions(context_lens, tree_mask, mode, nodes, used * block_size)  # [B, T, S]
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
     bias.masked_fill_(~allowed, float("-inf"))
     return blocks, bias[:, None, None]

@@ -63,8 +63,6 @@ def _check_layer_inputs(q, k_cache, v_cache) -> None:
         raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"k_cache/v_cache must have q's dtype {q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
-    if q.shape[1] < 1:
-        raise ValueError("q must hold at least one node per request")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     hq, dim, hkv = q.shape[2], q.shape[3], k_cache.shape[2]
@@ -111,6 +109,24 @@ def tree_mask_to_dense(tree_mask: torch.Tensor, mode, batch: int, nodes: int) ->
     raise ValueError(f"tree attention does not support mask mode {mode.name}")
 
 
+def visible_positions(context_lens: torch.Tensor, tree_mask: torch.Tensor, mode, nodes: int, num_positions: int):
+    """Which of a request's first ``num_positions`` token positions each node sees.
+
+    Returns (allowed [B, T, S] bool: node t may attend position s, i.e. s is
+    in the committed prefix or holds node t or one of its ancestors;
+    owned [B, S] bool: s holds a committed token or a tree node). The one
+    masking rule of the torch paths (this reference and ``attention_plan``)."""
+    batch = context_lens.shape[0]
+    positions = torch.arange(num_positions, device=context_lens.device)
+    ctx = context_lens.long()[:, None]
+    prefix = positions[None, :] < ctx  # [B, S]
+    node_of_pos = positions[None, :] - ctx  # tree node stored at each position
+    in_tree = (node_of_pos >= 0) & (node_of_pos < nodes)
+    anc = tree_mask_to_dense(tree_mask, mode, batch, nodes)  # [B, T, T] ancestor-or-self
+    tree_ok = anc.gather(2, node_of_pos.clamp(0, nodes - 1)[:, None, :].expand(batch, nodes, -1))
+    return prefix[:, None, :] | (tree_ok & in_tree[:, None, :]), prefix | in_tree
+
+
 def tree_attention_reference(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale=None):
     """Pure-torch tree attention (see the module docstring for the layouts).
 
@@ -124,21 +140,12 @@ def tree_attention_reference(q, k_cache, v_cache, block_table, context_lens, tre
     num_blocks, block_size, hkv, _ = k_cache.shape
     group = hq // hkv
     scale = _default_scale(scale, dim)
-    device = q.device
-
     blocks = block_table.long().clamp(0, max(num_blocks - 1, 0))  # padding entries: harmless, masked below
     k = k_cache[blocks].flatten(1, 2).float()  # [B, S, Hkv, D], S = max_blocks * block_size
     v = v_cache[blocks].flatten(1, 2).float()
-    positions = torch.arange(k.shape[1], device=device)
-    ctx = context_lens.long()[:, None]
-    prefix = positions[None, :] < ctx  # [B, S]
-    node_of_pos = positions[None, :] - ctx  # tree node stored at each position
-    in_tree = (node_of_pos >= 0) & (node_of_pos < nodes)
-    anc = tree_mask_to_dense(tree_mask, mode, batch, nodes)  # [B, T, T]
-    tree_ok = anc.gather(2, node_of_pos.clamp(0, nodes - 1)[:, None, :].expand(batch, nodes, -1))
-    allowed = prefix[:, None, :] | (tree_ok & in_tree[:, None, :])  # [B, T, S]
+    allowed, owned = visible_positions(context_lens, tree_mask, mode, nodes, k.shape[1])  # [B, T, S], [B, S]
     # unused slots may hold anything (NaN included): zero V there so 0 * V stays 0
-    v = torch.where((prefix | in_tree)[:, :, None, None], v, 0.0)
+    v = torch.where(owned[:, :, None, None], v, 0.0)
 
     qf = q.float().view(batch, nodes, hkv, group, dim)
     scores = torch.einsum("bthgd,bshd->bhgts", qf, k) * scale

@@ -518,18 +518,15 @@ def plan_of(p: Problem, impl: str, max_context_len=None, device=DEVICE):
     return TreeAttentionPlan.create(table, ctx, mask, mode, p.nodes, k_cache.shape[1], max_context_len, impl=impl)
 
 
-def plan_impls():
-    return ["torch"] + (["triton"] if _triton_usable(DEVICE) else [])
+PLAN_IMPLS = ["torch", pytest.param("triton", marks=needs_triton)]
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", PLAN_IMPLS)
 @pytest.mark.parametrize("mode", [AB, PP, QL])
 def test_plan_runs_every_layer_like_the_one_call_op(impl, mode):
     """One plan, several layers (different q and caches, GQA): each layer's run
     equals the independent dense attention; the Triton path plans its launch
     once (one cached launch for the layers' common head shape)."""
-    if impl not in plan_impls():
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1 (set before import)")
     first = finite_problem("random", 7, [0, 19, 45], seed=1, hq=6, hkv=2, mode=mode)
     layers = [first, another_layer(first, 2), another_layer(first, 3)]
     plan = plan_of(layers[0], impl, max_context_len=45)
@@ -569,10 +566,8 @@ def test_torch_plan_reads_only_the_blocks_the_longest_request_uses():
     assert_close(unbounded.run(q, k_cache, v_cache, p.scale), p.dense(), torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", PLAN_IMPLS)
 def test_plan_of_an_empty_batch(impl):
-    if impl not in plan_impls():
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1 (set before import)")
     from spec_tree_kernels.attention_plan import TreeAttentionPlan
     from spec_tree_kernels.modes import empty_tree_mask
 

@@ -58,16 +58,18 @@ class VerifyTrees:
     groups: dict
     max_context: int = 0
     covers_batch: bool = False
-    plans: dict = field(default_factory=dict)  # (block table, T, impl) -> TreeAttentionPlan, made by the first layer
+    plans: dict = field(default_factory=dict)  # (block table, T, impl) -> (plan, rows), made by the first layer
 
-    def plan(self, nodes: int, block_table: torch.Tensor, block_size: int, impl: str) -> TreeAttentionPlan:
-        """The step's plan for the trees of ``nodes`` nodes; every layer after
-        the first reuses it (same block table, same trees)."""
+    def plan(self, nodes: int, block_table: torch.Tensor, block_size: int, impl: str):
+        """(TreeAttentionPlan, rows [B_T, T] int64 query rows of those trees'
+        nodes) for the trees of ``nodes`` nodes: made by the first layer of the
+        step, reused by the others (same block table, same trees)."""
         key = (block_table.data_ptr(), nodes, impl)
         if key not in self.plans:
-            req_idx, _, ctx, mask = self.groups[nodes]
-            self.plans[key] = TreeAttentionPlan.create(block_table[req_idx], ctx, mask, self.mode, nodes, block_size,
-                                                       self.max_context, impl=impl)
+            req_idx, q_starts, ctx, mask = self.groups[nodes]
+            plan = TreeAttentionPlan.create(block_table[req_idx], ctx, mask, self.mode, nodes, block_size,
+                                            self.max_context, impl=impl)
+            self.plans[key] = plan, q_starts[:, None] + torch.arange(nodes, device=q_starts.device)
         return self.plans[key]
 
 
@@ -138,9 +140,8 @@ def compute_tree_rows(trees: VerifyTrees, query, output, k_view, v_view, block_t
     """Write the published trees' rows of ``output`` ([N, Hq*D] or [N, Hq, D])."""
     out = output.view(output.shape[0], num_heads, head_size)
     q_all = query.view(query.shape[0], num_heads, head_size)
-    for nodes, (_, q_starts, _, _) in trees.groups.items():
-        rows = q_starts[:, None] + torch.arange(nodes, device=q_starts.device)  # [B_T, T]
-        plan = trees.plan(nodes, block_table, k_view.shape[1], impl)
+    for nodes in trees.groups:
+        plan, rows = trees.plan(nodes, block_table, k_view.shape[1], impl)
         res = plan.run(q_all[rows], k_view, v_view, scale)  # q_all[rows]: [B_T, T, Hq, D]
         out[rows.flatten()] = res.reshape(-1, num_heads, head_size).to(out.dtype)
 
