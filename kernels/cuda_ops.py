@@ -42,17 +42,7 @@ from typing import Sequence
 import torch
 
 from . import cuda_build_guard
-from .cuda_backends import CtypesBackend, ExtensionBackend
-from .cuda_build import (
-    CSRC,
-    build_emulated_library,
-    build_shared_library,
-    cache_dir,
-    compile_backend,
-    emulated_backend,
-    extension_dir,
-    find_nvcc,
-)
+from .cuda_build import cache_dir, compile_backend, extension_dir, find_nvcc
 from .modes import TreeMaskMode, empty_tree_mask
 from .reference import TreeBuild, VerifyResult, empty_verify_result
 
@@ -61,9 +51,6 @@ __all__ = [
     "build_tree", "verify_tree_greedy", "verify_tree_sampling", "move_accepted_kv",
     # whether this process can run them
     "ensure_built", "available", "load_error", "backend_name",
-    # the build (cuda_build, cuda_backends), importable from here too
-    "CSRC", "CtypesBackend", "ExtensionBackend", "build_emulated_library", "build_shared_library", "cache_dir",
-    "compile_backend", "emulated_backend", "extension_dir", "find_nvcc",
 ]
 
 logger = logging.getLogger("spec_tree_kernels")

@@ -15,15 +15,16 @@ import logging
 
 import torch
 
-from . import cuda_ops
-from .api import _AUTO_PREFERENCE, resolve_impl
-
 logger = logging.getLogger("spec_tree_kernels")
 
 
 def prepare(device) -> dict[str, str]:
     """Call once at engine startup on the serving device. Returns the
     implementation ``impl="auto"`` will use per op there (logged)."""
+    # imported here, not at module level: ``import spec_tree_kernels`` must not load
+    # cuda_ops, which the build child runs as __main__ (a second copy otherwise)
+    from . import cuda_ops
+    from .api import _AUTO_PREFERENCE, resolve_impl
 
     device = torch.device(device)
     if device.type == "cuda":

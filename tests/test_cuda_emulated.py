@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import spec_tree_kernels as K
 from pools import FLAVORS, random_batch
 from spec_tree_kernels import TreeMaskMode as M
-from spec_tree_kernels import cuda_ops, reference
+from spec_tree_kernels import cuda_build, cuda_ops, reference
 from test_tree_ops import paged_caches, random_tokens_with_real_acceptance
 from test_tree_sampling import degenerate_sampling_batch, random_sampling_batch, rejected_everywhere_batch
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a hos
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    return cuda_ops.emulated_backend(tmp_path_factory.mktemp("cuda_emulated"))
+    return cuda_build.emulated_backend(tmp_path_factory.mktemp("cuda_emulated"))
 
 
 def case(topk, num_steps, nodes, batch, flavor, seed):

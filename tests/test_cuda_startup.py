@@ -19,6 +19,7 @@ import torch
 
 import spec_tree_kernels as stk
 from spec_tree_kernels import cuda_build_guard, cuda_ops
+from spec_tree_kernels.cuda_backends import ExtensionBackend
 
 
 @pytest.fixture
@@ -98,7 +99,7 @@ def test_build_removes_torchs_orphaned_baton_under_our_lock(fresh_state, monkeyp
         return "ctypes"
 
     monkeypatch.setattr(cuda_build_guard, "run_build_child", child)
-    monkeypatch.setattr(cuda_ops, "compile_backend", lambda nvcc, choice: cuda_ops.ExtensionBackend(None))
+    monkeypatch.setattr(cuda_ops, "compile_backend", lambda nvcc, choice: ExtensionBackend(None))
     assert cuda_ops.ensure_built(timeout=5) is True
     assert seen == {"baton": False, "ours": str(os.getpid())}
     assert not (fresh_state / "build.lock").exists()

@@ -22,7 +22,7 @@ import spec_tree_kernels as K
 from kernel_device import DEVICE
 from pools import random_batch
 from spec_tree_kernels import TreeMaskMode as M
-from spec_tree_kernels import cuda_ops
+from spec_tree_kernels import cuda_build, cuda_ops
 
 TOPK, STEPS, NODES = 3, 3, 7
 SLACK = 29  # buffer entries beyond what the batch needs (SGLang sizes for max_bs and the longest context)
@@ -74,7 +74,7 @@ def api_build(impl):
 def emu(tmp_path_factory):
     if shutil.which("c++") is None:
         pytest.skip("needs a host C++ compiler (c++) for the CUDA emulation")
-    return cuda_ops.emulated_backend(tmp_path_factory.mktemp("cuda_emulated"))
+    return cuda_build.emulated_backend(tmp_path_factory.mktemp("cuda_emulated"))
 
 
 def builders(request):

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from spec_tree_kernels import cuda_ops
+from spec_tree_kernels import cuda_build, cuda_ops
 
 from .plumbing import Budget, Report, find_tool
 
@@ -46,7 +46,7 @@ def record_environment(report: Report, reduced: bool, budget: Budget) -> dict:
 def start_cuda_build(env: dict):
     """Build the CUDA kernels in a thread (a minute of nvcc + c++) while the
     Triton checks run. Returns (thread, state dict it fills)."""
-    env["nvcc"] = cuda_ops.find_nvcc()
+    env["nvcc"] = cuda_build.find_nvcc()
     build_state: dict = {}
 
     def build():

@@ -109,8 +109,7 @@ class AcceptanceStats:
         self._topk = [m[0].topk for m in members]
         self._att = [[0.0] * D for D in self._gD]
         self._acc = [[0.0] * D for D in self._gD]
-        self._others = [[j for j in range(n) if j != i] for i in range(n)]
-        self._contained = [[j for j in self._others[i] if _contains(keys[i], keys[j])] for i in range(n)]
+        self._contained = [[j for j in range(n) if j != i and _contains(keys[i], keys[j])] for i in range(n)]
         # Paired counts: what the chains would have accepted on each tree's own steps
         # (``chain_counterfactual``), decayed like that tree's counts (trees only, when
         # the menu has a chain).

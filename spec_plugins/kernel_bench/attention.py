@@ -361,15 +361,6 @@ def targets(rows: list[dict], copy_rows: list[dict], *, context: int = 4096, nod
     return out
 
 
-def bench_tree_attention(batches=(1, 8, 64), tree_sizes=(1, 8, 16, 32, 64), *, context_len: int = 2048, mode="ANCESTOR_BITMASK",
-                         iters: int = 20, check: bool = True, device: str = "cuda", **kwargs) -> list[dict]:  # fmt: skip
-    """One context length of the sweep (the former entry point); rows as
-    ``sweep_tree_attention``'s, with ``nodes`` = T."""
-    result = sweep_tree_attention(batches, tree_sizes, (context_len,), mode=mode, iters=iters, device=device,
-                                  check_requests=2 if check else 0, **kwargs)  # fmt: skip
-    return [dict(row, nodes=row["T"]) for row in result["rows"]]
-
-
 def main() -> None:  # python -m spec_plugins.kernel_bench.attention (needs a GPU)
     import json
 
