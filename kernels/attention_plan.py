@@ -15,8 +15,8 @@ prepares what every layer reads:
   first layer and reused by the others (they depend on head counts, which
   the plan learns from the first ``run``).
 
-``run`` is then per layer: shape checks against the plan (host only), a
-gather and two einsums (torch) or the kernel launches (triton). No host sync
+``run`` is then per layer: shape checks against the plan (host only),
+gathers and batched matmuls (torch) or the kernel launches (triton). No host sync
 and nothing rebuilt; the Triton launches are fixed by shapes, so a run is
 CUDA-graph capturable.
 
@@ -150,10 +150,41 @@ def _torch_blocks_and_bias(block_table, context_lens, tree_mask, mode, nodes, bl
 def _torch_run(blocks, bias, q, k_cache, v_cache, scale: float) -> torch.Tensor:
     batch, nodes, hq, dim = q.shape
     hkv = k_cache.shape[2]
-    k = k_cache[blocks].flatten(1, 2)  # [B, S, Hkv, D]
-    v = v_cache[blocks].flatten(1, 2)
-    qf = q.reshape(batch, nodes, hkv, hq // hkv, dim)
-    scores = torch.einsum("bthgd,bshd->bhgts", qf.float(), k.float()).mul_(scale).add_(bias)
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgts,bshd->bthgd", probs, v.float())
-    return out.reshape(batch, nodes, hq, dim).to(q.dtype)
+    group = hq // hkv
+    k_t, v = gather_blocks(k_cache, v_cache, blocks)
+    positions = k_t.shape[1] * k_t.shape[-1]  # S
+    rows = q.float().view(batch, nodes, hkv, group, dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    scores = scores_over_blocks(rows.reshape(batch, hkv, group * nodes, dim) * scale, k_t)
+    probs = torch.softmax(scores.view(batch, hkv, group, nodes, positions).add_(bias), dim=-1)  # bias [B, 1, 1, T, S]
+    out = values_over_blocks(probs.view(batch, hkv, group * nodes, positions), v)  # [B, Hkv, G*T, D]
+    return out.view(batch, hkv, group, nodes, dim).permute(0, 3, 1, 2, 4).reshape(batch, nodes, hq, dim).to(q.dtype)
+
+
+# Attention over whole cache blocks (torch): the verify plan above and vLLM's
+# tree-drafting steps (``vllm_ext.attention.BranchAttention``) read paged KV
+# this way. Scores are batched matmuls block by block over the cache's own
+# block layout and GQA is a group axis of the query rows (no repeated K/V):
+# on CPU about twice as fast as a gather into [B, S, Hkv, D] and two einsums.
+
+
+def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor):
+    """K and V of ``blocks`` [B, nb] (int64 block ids) from [num_blocks,
+    block_size, Hkv, D] views -> (k_t [B, nb, Hkv, D, bs], v [B, nb, Hkv, bs, D])
+    float32. Where the engine stores K transposed per block (vLLM-CPU's fp32
+    layout) each gathered K block is one contiguous copy."""
+    return k_cache.permute(0, 2, 3, 1)[blocks].float(), v_cache.permute(0, 2, 1, 3)[blocks].float()
+
+
+def scores_over_blocks(rows: torch.Tensor, k_t: torch.Tensor) -> torch.Tensor:
+    """rows [B, Hkv, M, D] (scaled queries, M per KV head) . k_t -> [B, Hkv, M, nb * bs],
+    position p of the gathered blocks at index p."""
+    scores = torch.matmul(rows[:, None], k_t)  # [B, nb, Hkv, M, bs]
+    return scores.permute(0, 2, 3, 1, 4).flatten(3)
+
+
+def values_over_blocks(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """probs [B, Hkv, M, nb * bs] (softmax weights, or a slice of them) . v -> [B, Hkv, M, D]."""
+    batch, hkv, rows, _ = probs.shape
+    num_blocks, block_size = v.shape[1], v.shape[3]
+    per_block = probs.reshape(batch, hkv, rows, num_blocks, block_size).permute(0, 3, 1, 2, 4)
+    return torch.matmul(per_block, v).sum(1)

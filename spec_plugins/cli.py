@@ -478,10 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "2026-12-01 used waves)")
     bench.add_argument("--repeats", type=int, default=1,
                        help="run every configuration this many times (alternating order), keep the fastest")
-    bench.add_argument("--interleave", type=int, default=None, metavar="ROUNDS",
+    bench.add_argument("--interleave", type=int, nargs="+", default=None, metavar="ROUNDS",
                        help="keep every configuration's engine alive at once (one engine-core process each) and "
-                            "run ROUNDS rounds per level, the order rotated each round; report the median round "
-                            "and the medians of per-round ratios (the machine's drift hits all alike)")
+                            "run ROUNDS rounds per level (one count, or one per --concurrency level), the order "
+                            "rotated each round; report the median round and the medians of per-round ratios "
+                            "(the machine's drift hits all alike)")
     bench.add_argument("--no-engine-chain", action="store_true",
                        help="leave out vLLM's own EAGLE chain (the peer row, one per chain length in --shapes)")
     bench.add_argument("--budget", nargs="*", default=[], metavar="MENU",
@@ -520,6 +521,10 @@ def main(argv=None) -> int:
                 return 2
     if getattr(args, "interleave", None) and args.repeats > 1:
         print("spec-plugins: --interleave replaces --repeats (each round is a repeat)")
+        return 2
+    if getattr(args, "interleave", None) and len(args.interleave) not in (1, len(args.concurrency)):
+        print(f"spec-plugins: --interleave takes one round count or one per --concurrency level "
+              f"{args.concurrency}; got {args.interleave}")
         return 2
     return args.func(args)
 

@@ -89,17 +89,32 @@ def rotation(n: int, r: int) -> list[int]:
     return [(r + i) % n for i in range(n)]
 
 
-def interleaved_schedule(n: int, levels, rounds: int, temperatures=(0.0,)) -> list[tuple]:
-    """(temperature, concurrency, round, configuration index) in run order."""
-    return [(t, c, r, i) for t in temperatures for c in levels for r in range(rounds) for i in rotation(n, r)]
+def rounds_per_level(rounds, levels) -> dict:
+    """{concurrency: rounds}. rounds: one count for every level, or a list of
+    one count or of one per level (rounds at high concurrency are short, and
+    more of them is what narrows a ratio there)."""
+    counts = [rounds] if isinstance(rounds, int) else list(rounds)
+    if len(counts) == 1:
+        counts = counts * len(levels)
+    if len(counts) != len(levels):
+        raise ValueError(f"--interleave takes one round count or one per concurrency level {list(levels)}; "
+                         f"got {list(counts)}")
+    return dict(zip(levels, counts))
+
+
+def interleaved_schedule(n: int, levels, rounds, temperatures=(0.0,)) -> list[tuple]:
+    """(temperature, concurrency, round, configuration index) in run order;
+    rounds as ``rounds_per_level`` takes them."""
+    per_level = rounds_per_level(rounds, levels)
+    return [(t, c, r, i) for t in temperatures for c in levels for r in range(per_level[c]) for i in rotation(n, r)]
 
 
 def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], max_tokens: int, levels,
-                    rounds: int, temperatures=(0.0,), log=None, progress=None, load: str = "steady",
+                    rounds, temperatures=(0.0,), log=None, progress=None, load: str = "steady",
                     **engine_extra) -> dict:
     """{(config, concurrency, temperature): RunResult} with every
     configuration's engine alive at once (each warmed up once): per
-    temperature and level, ``rounds`` rounds in each of which every
+    temperature and level, ``rounds`` rounds (``rounds_per_level``) in each of which every
     configuration runs the whole prompt set, in rotated order (see
     ``merge_rounds`` for what a RunResult then holds). log: takes a line of
     text; progress: label -> callback(done, total)."""

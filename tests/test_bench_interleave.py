@@ -44,6 +44,15 @@ def test_bench_interleaved_schedule_order():
     assert len(sched) == 16 and {t for t, *_ in sched[8:]} == {0.8}
 
 
+def test_bench_interleaved_schedule_rounds_per_level():
+    sched = vb.interleaved_schedule(2, [1, 16], [1, 3])
+    assert [(c, r, i) for _, c, r, i in sched] == [(1, 0, 0), (1, 0, 1), (16, 0, 0), (16, 0, 1), (16, 1, 1),
+                                                   (16, 1, 0), (16, 2, 0), (16, 2, 1)]
+    assert vb.rounds_per_level([4], [1, 8]) == {1: 4, 8: 4} == vb.rounds_per_level(4, [1, 8])
+    with pytest.raises(ValueError, match=r"one per concurrency level \[1, 8\]; got \[2, 3, 4\]"):
+        vb.rounds_per_level([2, 3, 4], [1, 8])
+
+
 def test_bench_merge_rounds_median_and_sums():
     runs = [run("t", 10.0, drafts=4, accepted=6, per_depth=[3, 2, 1],
                 runner={"steps": 5, "step_seconds": 1.5, "budget_steps": {"5,4,8": 2, "none": 1}}),
@@ -114,3 +123,5 @@ def test_bench_interleave_argument_errors(capsys):
     assert "--interleave must be >= 1" in capsys.readouterr().out
     assert cli.main(["bench", "--interleave", "2", "--repeats", "2"]) == 2
     assert "--interleave replaces --repeats" in capsys.readouterr().out
+    assert cli.main(["bench", "--concurrency", "1", "8", "--interleave", "2", "3", "4"]) == 2
+    assert "one per --concurrency level [1, 8]; got [2, 3, 4]" in capsys.readouterr().out

@@ -40,7 +40,8 @@ import torch
 
 from vllm.v1.attention.backend import AttentionType
 
-from spec_tree_kernels.attention_plan import TreeAttentionPlan
+from spec_tree_kernels.attention_plan import (TreeAttentionPlan, gather_blocks, scores_over_blocks,
+                                              values_over_blocks)
 
 
 @dataclass
@@ -78,14 +79,15 @@ class BranchAttention:
     """Attention metadata of one tree-drafting step (R requests x K frontier nodes).
 
     Frontier node j of request r attends to the request's committed head KV
-    (``ctx_k/ctx_v`` [R, L, Hkv, D], gathered once per step from the paged
-    cache, positions >= its length masked by ``ctx_bias`` [R, 1, 1, L]) and to
+    (``ctx_k_t`` [R, nb, Hkv, D, bs] / ``ctx_v`` [R, nb, Hkv, bs, D]: its first
+    nb paged cache blocks, gathered once per drafting by ``from_paged``;
+    positions >= its length masked by ``ctx_bias`` [R, 1, 1, nb * bs]) and to
     the branch entries it descends from plus itself (``branch_k/branch_v``
     [R, E, Hkv, D] scratch, E = (num_steps - 1) * K, filled K entries per level).
     ``ancestors`` [R, K, filled] bool is set by the drafter before each level.
     """
 
-    ctx_k: torch.Tensor
+    ctx_k_t: torch.Tensor
     ctx_v: torch.Tensor
     ctx_bias: torch.Tensor
     branch_k: torch.Tensor
@@ -94,9 +96,26 @@ class BranchAttention:
     ancestors: torch.Tensor | None = None
     filled: int = 0
 
+    @classmethod
+    def from_paged(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, block_rows: torch.Tensor,
+                   kv_lens: torch.Tensor, max_kv_len: int, branch_entries: int, scale: float) -> "BranchAttention":
+        """k_cache / v_cache: the head layer's paged K, V [num_blocks, block_size,
+        Hkv, D]; block_rows [R, >= nb] its block table rows; kv_lens [R] int64
+        committed positions per request, max_kv_len a host bound on them."""
+        block_size = k_cache.shape[1]
+        num_blocks = -(-max_kv_len // block_size)
+        ctx_k_t, ctx_v = gather_blocks(k_cache, v_cache, block_rows[:, :num_blocks].long())
+        positions = torch.arange(num_blocks * block_size, device=kv_lens.device)
+        ctx_bias = torch.zeros(len(kv_lens), num_blocks * block_size, dtype=torch.float32, device=kv_lens.device)
+        ctx_bias.masked_fill_(positions[None] >= kv_lens[:, None], float("-inf"))
+        R, _, hkv, dim, _ = ctx_k_t.shape
+        scratch = k_cache.new_empty(2, R, branch_entries, hkv, dim)
+        return cls(ctx_k_t=ctx_k_t, ctx_v=ctx_v, ctx_bias=ctx_bias[:, None, None], branch_k=scratch[0],
+                   branch_v=scratch[1], scale=scale)
+
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor):
         """query [R*K, Hq, D], key/value [R*K, Hkv, D] (RoPE applied) -> output [R*K, Hq, D]."""
-        R, _, hkv, dim = self.ctx_k.shape
+        R, _, hkv, dim, _ = self.ctx_k_t.shape
         K = self.ancestors.shape[1]
         hq = query.shape[-2]
         group = hq // hkv
@@ -104,18 +123,19 @@ class BranchAttention:
         self.branch_k[:, new] = key.view(R, K, hkv, dim).to(self.branch_k.dtype)
         self.branch_v[:, new] = value.view(R, K, hkv, dim).to(self.branch_v.dtype)
         self.filled += K
-        q = query.view(R, K, hkv, group, dim).float()
-        s_ctx = torch.einsum("bjhgd,bshd->bhgjs", q, self.ctx_k.float())
-        s_ctx.mul_(self.scale).add_(self.ctx_bias[:, :, None])
-        bk, bv = self.branch_k[:, : self.filled].float(), self.branch_v[:, : self.filled].float()
+        # query rows per KV head, ordered (g, j): [R, Hkv, G*K, D]
+        q = query.view(R, K, hkv, group, dim).float().permute(0, 2, 3, 1, 4).reshape(R, hkv, group * K, dim)
+        q = q * self.scale
+        s_ctx = scores_over_blocks(q, self.ctx_k_t).add_(self.ctx_bias)  # [R, Hkv, G*K, L]
+        bk = self.branch_k[:, : self.filled].float().permute(0, 2, 3, 1)  # [R, Hkv, D, filled]
+        bv = self.branch_v[:, : self.filled].float().permute(0, 2, 1, 3)  # [R, Hkv, filled, D]
         visible = torch.cat([self.ancestors, torch.eye(K, dtype=torch.bool, device=q.device).expand(R, K, K)], -1)
-        s_br = torch.einsum("bjhgd,bshd->bhgjs", q, bk).mul_(self.scale)
+        s_br = torch.matmul(q, bk).view(R, hkv, group, K, self.filled)
         s_br.masked_fill_(~visible[:, None, None], float("-inf"))
-        probs = torch.softmax(torch.cat([s_ctx, s_br], -1), dim=-1)
+        probs = torch.softmax(torch.cat([s_ctx, s_br.view(R, hkv, group * K, self.filled)], -1), dim=-1)
         L = s_ctx.shape[-1]
-        out = (torch.einsum("bhgjs,bshd->bjhgd", probs[..., :L], self.ctx_v.float())
-               + torch.einsum("bhgjs,bshd->bjhgd", probs[..., L:], bv))
-        output.view(R, K, hq, -1).copy_(out.reshape(R, K, hq, dim))
+        out = values_over_blocks(probs[..., :L], self.ctx_v) + torch.matmul(probs[..., L:], bv)  # [R, Hkv, G*K, D]
+        output.view(R, K, hq, -1).copy_(out.view(R, hkv, group, K, dim).permute(0, 3, 1, 2, 4).reshape(R, K, hq, dim))
         return output
 
 

@@ -101,19 +101,8 @@ class TreeDrafter:
         return select_trees(*pool, shape, impl=self.impl)
 
     def _branch_attention(self, kv_lens, max_kv_len: int, block_rows, kv_views, branch_entries: int):
-        k_cache, v_cache = kv_views
-        block_size = k_cache.shape[1]
-        positions = torch.arange(max_kv_len, device=kv_lens.device)
-        blocks = block_rows.long()[:, positions // block_size]  # [R, L]
-        offsets = (positions % block_size)[None].expand_as(blocks)
-        ctx_k, ctx_v = k_cache[blocks, offsets], v_cache[blocks, offsets]  # [R, L, Hkv, D]
-        ctx_bias = torch.zeros(blocks.shape, dtype=torch.float32, device=blocks.device)
-        ctx_bias.masked_fill_(positions[None] >= kv_lens[:, None], float("-inf"))
-        R, _, hkv, dim = ctx_k.shape
-        scratch = ctx_k.new_empty(2, R, branch_entries, hkv, dim)
         impl = self.runner.compilation_config.static_forward_context[self.layer_name].impl
-        return BranchAttention(ctx_k=ctx_k, ctx_v=ctx_v, ctx_bias=ctx_bias[:, None, None], branch_k=scratch[0],
-                               branch_v=scratch[1], scale=impl.scale)
+        return BranchAttention.from_paged(*kv_views, block_rows, kv_lens, max_kv_len, branch_entries, impl.scale)
 
 
 def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:

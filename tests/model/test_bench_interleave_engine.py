@@ -28,7 +28,7 @@ def test_bench_interleave_two_rounds(tmp_path, capsys, monkeypatch):
                    "--max-tokens", "16", "--concurrency", "1", "--interleave", "2", "--out", str(out)])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
-    assert data["meta"]["interleave"] == 2
+    assert data["meta"]["interleave"] == [2]
     rows = data["rows"]
     assert [r["config"] for r in rows] == ["no-spec", "eagle3 tree(5,4,8)"]
     assert all(r["identical"] is True and len(r["all_tokens_per_s"]) == 2 for r in rows)

@@ -259,12 +259,20 @@ def test_branch_attention_matches_brute_force():
     from spec_plugins.vllm_ext.attention import BranchAttention
 
     gen = torch.Generator().manual_seed(5)
-    R, K, hq, hkv, dim, L = 2, 3, 4, 2, 8, 6
+    R, K, hq, hkv, dim, L, block_size = 2, 3, 4, 2, 8, 6, 4
     kv_lens = torch.tensor([6, 4])
     ctx_k, ctx_v = torch.randn(R, L, hkv, dim, generator=gen), torch.randn(R, L, hkv, dim, generator=gen)
-    bias = torch.zeros(R, L).masked_fill_(torch.arange(L)[None] >= kv_lens[:, None], float("-inf"))
-    scratch = torch.zeros(2, R, 2 * K, hkv, dim)
-    att = BranchAttention(ctx_k, ctx_v, bias[:, None, None], scratch[0], scratch[1], scale=dim ** -0.5)
+    # the paged cache: request r's positions in blocks block_rows[r] (shuffled, spare blocks hold noise),
+    # K stored transposed per block as vLLM-CPU does
+    block_rows = torch.tensor([[3, 0, 5], [1, 4, 2]])
+    k_store = torch.randn(6, hkv, dim, block_size, generator=gen)
+    v_cache = torch.randn(6, block_size, hkv, dim, generator=gen)
+    for r in range(R):
+        for p in range(L):
+            k_store[block_rows[r, p // block_size], :, :, p % block_size] = ctx_k[r, p]
+            v_cache[block_rows[r, p // block_size], p % block_size] = ctx_v[r, p]
+    k_cache = k_store.permute(0, 3, 1, 2)  # [num_blocks, block_size, Hkv, D] view
+    att = BranchAttention.from_paged(k_cache, v_cache, block_rows, kv_lens, L, 2 * K, scale=dim ** -0.5)
     levels = []
     for level, anc in ((1, torch.zeros(R, K, 0, dtype=torch.bool)),
                        (2, torch.tensor([[[1, 0, 0], [1, 0, 0], [0, 0, 1]],
