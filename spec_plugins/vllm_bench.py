@@ -120,14 +120,16 @@ def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], m
     text; progress: label -> callback(done, total)."""
     log = log or (lambda line: None)
     runs = {}
+    per_level = rounds_per_level(rounds, levels)  # a bad count fails before any engine starts
+    schedule = interleaved_schedule(len(configs), levels, list(per_level.values()), temperatures)
     with _multiprocess_engines():
         engines = start_engines(configs, model, prompts[0], log,
                                 **{"distributed_executor_backend": _executor_in_engine_core(), **engine_extra})
         try:
-            for temp, level, r, i in interleaved_schedule(len(engines), levels, rounds, temperatures):
+            for temp, level, r, i in schedule:
                 e = engines[i]
                 _use_collectors(e.collectors)
-                show = progress(f"{e.cfg.name} c{level} r{r + 1}/{rounds}") if progress else None
+                show = progress(f"{e.cfg.name} c{level} r{r + 1}/{per_level[level]}") if progress else None
                 runs.setdefault((e.cfg, level, temp), []).append(
                     _timed_run(e.llm, e.cfg, prompts, max_tokens, level, temp, show, load))
             log("after the runs: " + memory_report(engines))

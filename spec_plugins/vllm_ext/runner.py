@@ -19,7 +19,9 @@ methods, each around vLLM's own code:
                      tokens + last token, -1 padded. The accepted nodes' KV
                      moves to the contiguous front after the head's extend
                      (below), before vLLM's scheduler rolls num_computed_tokens
-                     back to the accepted length.
+                     back to the accepted length. A step of greedy chains only
+                     is verified by vLLM's own rejection sampler as vLLM's
+                     EAGLE chain is (the walk would accept the same prefix).
 ``propose_draft_token_ids``  ``TreeDrafter`` for the whole batch: the head's
                      extend over the step's rows (vLLM's EAGLE model, its KV
                      in vLLM's paged drafter cache), the accepted path's KV
@@ -118,6 +120,7 @@ class TreeStats:
 
     verify_steps: int = 0  # steps with at least one tree
     trees_verified: int = 0  # requests x steps verified with a tree (vLLM's num_drafts counts the same)
+    chain_steps: int = 0  # of verify_steps: greedy chains only, verified by vLLM's rejection sampler
     chain_fallbacks: int = 0  # drafts the runner did not draft itself, verified as a chain
     not_speculated: int = 0  # requests left without a tree (sampling, structured output, mid-prefill)
     prefill_chunks: int = 0  # head extends over a prompt chunk that is not the prompt's last
@@ -269,11 +272,11 @@ class TreeRunnerMixin:
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._step_groups = self._group_step_trees(scheduler_output.scheduled_spec_decode_tokens)
         if self._step_groups:
-            for T, g in self._step_groups.items():
+            # Chains are causal: vLLM's positions (context + index) and its own kernel are exact for them.
+            branching = {T: g for T, g in self._step_groups.items() if not g.all_chains}
+            for T, g in branching.items():
                 idx = (g.q_starts[:, None] + torch.arange(T, device=g.q_starts.device)).flatten()
                 self.positions[idx.to(self.positions.device)] = g.build.positions.flatten().to(self.positions.dtype)
-            # Chains are causal: vLLM's own kernel computes their rows exactly.
-            branching = {T: g for T, g in self._step_groups.items() if not g.all_chains}
             num_tree_rows = sum(len(g.rows) * T for T, g in branching.items())
             publish_verify_trees(VerifyTrees(
                 mode=self.tree_settings.mask_mode,
@@ -335,6 +338,10 @@ class TreeRunnerMixin:
         scored = bool(self.input_batch.sampling_metadata.logprob_token_ids)
         if spec_decode_metadata is None or not (groups or scored):
             return super()._sample(logits, spec_decode_metadata)
+        if self._greedy_chains_only(groups):
+            out = self._sample_greedy_chains(groups, logits, spec_decode_metadata)
+            self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
+            return out
         self.input_batch.update_async_output_token_ids()
         num_draft = np.asarray(spec_decode_metadata.num_draft_tokens)
         first_row = np.cumsum(num_draft + 1) - num_draft - 1  # each request's first logits row
@@ -359,6 +366,31 @@ class TreeRunnerMixin:
         self.tree_stats.verify_steps += bool(groups)
         self.tree_stats.trees_verified += sum(len(g.rows) for g in groups.values())
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
+        return out
+
+    def _greedy_chains_only(self, groups: dict[int, TreeGroup]) -> bool:
+        """Every draft of the step is a chain and every request decodes greedily (no logprob token ids)."""
+        metadata = self.input_batch.sampling_metadata
+        return all(g.all_chains for g in groups.values()) and metadata.all_greedy and not metadata.logprob_token_ids
+
+    def _sample_greedy_chains(self, groups: dict[int, TreeGroup], logits, spec_decode_metadata):
+        """A step of greedy chains verifies as vLLM's own EAGLE chain does: vLLM's
+        rejection sampler over its own metadata accepts each chain's longest
+        prefix that matches the target's argmax, which is what the tree walk
+        would find. The accepted path is that prefix; the extend's next token
+        at each accepted node is what the sampler emitted after it (rejected
+        nodes' head KV lies beyond the committed length: any valid id does)."""
+        out = super()._sample(logits, spec_decode_metadata)
+        emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
+        for T, g in groups.items():
+            rows = torch.as_tensor(g.rows, device=out.sampled_token_ids.device)
+            g.predict = out.sampled_token_ids[rows, :T].clamp(min=0).to(torch.int64).to(g.candidates.device)
+        self._accepted_paths = {row: list(range(emitted[row])) for g in groups.values() for row in g.rows}
+        self._verified = groups
+        self.after_tree_sampling(out, groups, emitted)
+        self.tree_stats.verify_steps += 1
+        self.tree_stats.chain_steps += 1
+        self.tree_stats.trees_verified += sum(len(g.rows) for g in groups.values())
         return out
 
     def _counterfactual_chains(self, groups: dict[int, TreeGroup], paths: dict[int, list]) -> tuple[list, list]:

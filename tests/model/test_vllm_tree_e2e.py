@@ -172,6 +172,13 @@ def test_tree_greedy_identical_batch_and_single(kind, shape, prompts, baseline):
     # accepted per position is accepted per depth: never deeper than num_steps, non-increasing
     assert len(per_pos) == nodes - 1 and sum(per_pos) == m["accepted"], m
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and not any(per_pos[steps:]), m
+    # greedy chains verify through vLLM's own rejection sampler, branching trees through the walk
+    runner = m["runner"]
+    assert runner["verify_steps"] > 0, runner
+    if topk == 1:
+        assert runner["chain_steps"] == runner["verify_steps"], runner
+    else:  # a tree the scheduler trims to a BFS prefix may be a chain
+        assert runner["chain_steps"] < runner["verify_steps"] / 10, runner
 
 
 def test_stop_string_eos_and_max_model_len(prompts, long_prompt, tokenizer, baseline):
