@@ -97,7 +97,7 @@ def rounds_per_level(rounds, levels) -> dict:
     if len(counts) == 1:
         counts = counts * len(levels)
     if len(counts) != len(levels):
-        raise ValueError(f"--interleave takes one round count or one per concurrency level {list(levels)}; "
+        raise ValueError(f"--interleave takes one round count or one per --concurrency level {list(levels)}; "
                          f"got {list(counts)}")
     return dict(zip(levels, counts))
 
@@ -120,8 +120,8 @@ def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], m
     text; progress: label -> callback(done, total)."""
     log = log or (lambda line: None)
     runs = {}
-    per_level = rounds_per_level(rounds, levels)  # a bad count fails before any engine starts
-    schedule = interleaved_schedule(len(configs), levels, list(per_level.values()), temperatures)
+    per_level = rounds_per_level(rounds, levels)
+    schedule = interleaved_schedule(len(configs), levels, rounds, temperatures)  # a bad count fails here, early
     with _multiprocess_engines():
         engines = start_engines(configs, model, prompts[0], log,
                                 **{"distributed_executor_backend": _executor_in_engine_core(), **engine_extra})

@@ -49,7 +49,7 @@ def test_bench_interleaved_schedule_rounds_per_level():
     assert [(c, r, i) for _, c, r, i in sched] == [(1, 0, 0), (1, 0, 1), (16, 0, 0), (16, 0, 1), (16, 1, 1),
                                                    (16, 1, 0), (16, 2, 0), (16, 2, 1)]
     assert vb.rounds_per_level([4], [1, 8]) == {1: 4, 8: 4} == vb.rounds_per_level(4, [1, 8])
-    with pytest.raises(ValueError, match=r"one per concurrency level \[1, 8\]; got \[2, 3, 4\]"):
+    with pytest.raises(ValueError, match=r"one per --concurrency level \[1, 8\]; got \[2, 3, 4\]"):
         vb.rounds_per_level([2, 3, 4], [1, 8])
 
 

@@ -339,9 +339,23 @@ class TreeRunnerMixin:
         if spec_decode_metadata is None or not (groups or scored):
             return super()._sample(logits, spec_decode_metadata)
         if self._greedy_chains_only(groups):
-            out = self._sample_greedy_chains(groups, logits, spec_decode_metadata)
-            self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
-            return out
+            out, paths = self._sample_greedy_chains(groups, logits, spec_decode_metadata)
+        else:
+            out, paths = self._sample_trees(groups, logits, spec_decode_metadata)
+        emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
+        self._accepted_paths = {row: path[: emitted[row]] for row, path in paths.items()}
+        if self.budget is not None:
+            self._chain_counterfactual = self._counterfactual_chains(groups, paths)
+        self._verified = groups  # their KV moves after the head's extend (``propose_draft_token_ids``)
+        self.after_tree_sampling(out, groups, emitted)
+        self.tree_stats.verify_steps += bool(groups)
+        self.tree_stats.trees_verified += sum(len(g.rows) for g in groups.values())
+        self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
+        return out
+
+    def _sample_trees(self, groups: dict[int, TreeGroup], logits, spec_decode_metadata):
+        """The tree walk, then vLLM's sampling of each request as its path's
+        chain. -> (SamplerOutput, {batch row: walked node path})."""
         self.input_batch.update_async_output_token_ids()
         num_draft = np.asarray(spec_decode_metadata.num_draft_tokens)
         first_row = np.cumsum(num_draft + 1) - num_draft - 1  # each request's first logits row
@@ -357,16 +371,7 @@ class TreeRunnerMixin:
                                          chain_logits, sampling_metadata)
         else:
             out = self._sample_mixed_batch(chain_logits, chain_drafts, sampling_metadata, sampled_tokens)
-        emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
-        self._accepted_paths = {row: path[: emitted[row]] for row, path in paths.items()}
-        if self.budget is not None:
-            self._chain_counterfactual = self._counterfactual_chains(groups, paths)
-        self._verified = groups  # their KV moves after the head's extend (``propose_draft_token_ids``)
-        self.after_tree_sampling(out, groups, emitted)
-        self.tree_stats.verify_steps += bool(groups)
-        self.tree_stats.trees_verified += sum(len(g.rows) for g in groups.values())
-        self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
-        return out
+        return out, paths
 
     def _greedy_chains_only(self, groups: dict[int, TreeGroup]) -> bool:
         """Every draft of the step is a chain and every request decodes greedily (no logprob token ids)."""
@@ -379,19 +384,14 @@ class TreeRunnerMixin:
         prefix that matches the target's argmax, which is what the tree walk
         would find. The accepted path is that prefix; the extend's next token
         at each accepted node is what the sampler emitted after it (rejected
-        nodes' head KV lies beyond the committed length: any valid id does)."""
+        nodes' head KV lies beyond the committed length: any valid id does).
+        -> (SamplerOutput, {batch row: the whole chain, cut to what was emitted by the caller})."""
         out = super()._sample(logits, spec_decode_metadata)
-        emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
         for T, g in groups.items():
             rows = torch.as_tensor(g.rows, device=out.sampled_token_ids.device)
             g.predict = out.sampled_token_ids[rows, :T].clamp(min=0).to(torch.int64).to(g.candidates.device)
-        self._accepted_paths = {row: list(range(emitted[row])) for g in groups.values() for row in g.rows}
-        self._verified = groups
-        self.after_tree_sampling(out, groups, emitted)
-        self.tree_stats.verify_steps += 1
         self.tree_stats.chain_steps += 1
-        self.tree_stats.trees_verified += sum(len(g.rows) for g in groups.values())
-        return out
+        return out, {row: list(range(T)) for T, g in groups.items() for row in g.rows}
 
     def _counterfactual_chains(self, groups: dict[int, TreeGroup], paths: dict[int, list]) -> tuple[list, list]:
         """For the budget: what a chain would have accepted on this step's greedy
