@@ -99,13 +99,27 @@ def select_trees(scores: torch.Tensor, pool_tokens: torch.Tensor, parent_list: t
                  impl: str = "torch") -> DraftTrees:
     """The T - 1 best candidates of each pool as a closed tree (tie-safe,
     ``spec_tree_kernels.select_tree_nodes``), with node-local parents.
-    Validation of the pools is off: a NaN score ranks last and the tree stays closed."""
+    Validation of the pools is off: a NaN score ranks last and the tree stays closed.
+    A chain (topk 1) is the pool's first T - 1 entries: each holds the one
+    child of the entry before, and path scores never rise along a chain (a
+    tie keeps pool order, a NaN's descendants are NaN), so the ranking would
+    pick exactly those."""
+    if shape.topk == 1:
+        return chain_trees(pool_tokens, shape.num_draft_tokens)
     selected = stk.select_tree_nodes(scores, parent_list, shape.topk, shape.num_steps, shape.num_draft_tokens,
                                      validate=False, impl=impl)
     parents = stk.node_parents(selected, parent_list, shape.topk)
     # pool index = K * (survivor group) + rank among its siblings (level 1: the rank itself)
     top1 = torch.cat([torch.ones_like(selected[:, :1], dtype=torch.bool), selected % shape.topk == 0], 1)
     return DraftTrees(tokens=pool_tokens.gather(1, selected), parents=parents, top1=top1)
+
+
+def chain_trees(pool_tokens: torch.Tensor, num_nodes: int) -> DraftTrees:
+    """R chains of ``num_nodes`` nodes from topk-1 pools [R, >= num_nodes - 1]."""
+    R = pool_tokens.shape[0]
+    parents = torch.arange(-1, num_nodes - 1, device=pool_tokens.device).expand(R, num_nodes)
+    return DraftTrees(tokens=pool_tokens[:, : num_nodes - 1], parents=parents,
+                      top1=torch.ones(R, num_nodes, dtype=torch.bool, device=pool_tokens.device))
 
 
 def _noop_timer(key: str, dt: float) -> None:

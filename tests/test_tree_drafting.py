@@ -113,3 +113,27 @@ def test_chain_counterfactual():
     paths0[0, 3] = -1
     chain, censored = chain_counterfactual(parents, top1, paths0, lengths0)
     assert chain[0] == 2 and not censored[0]
+
+
+@pytest.mark.parametrize("shape", [(5, 1, 6), (5, 1, 4), (1, 1, 2), (8, 1, 9)])
+def test_chain_selection_equals_the_tie_safe_ranking(shape):
+    """select_trees' chain shortcut (topk 1: the pool's leading entries) picks
+    what the tie-safe ranking of select_tree_nodes picks, with probability-one
+    ties and NaN scores in the pools."""
+    S, K, T = shape
+    R = 6
+    gen = torch.Generator().manual_seed(S * 10 + T)
+    step_p = torch.rand(R, S, generator=gen)
+    step_p[1, 1:] = 1.0  # every later step certain: all path scores tie
+    step_p[2, 0] = 1.0
+    step_p[3, min(2, S - 1)] = float("nan")  # NaN from that depth down
+    step_p[4] = 0.0  # underflow to zero everywhere
+    scores = step_p.cumprod(1)
+    tokens = torch.randint(0, 1000, (R, S), generator=gen)
+    # SGLang's layout for topk 1 (expand_pool's): the root's group [-1, 0], then entry level - 1 per level
+    parent_list = torch.arange(-1, S - 1).expand(R, S) if S > 1 else torch.empty(R, 0, dtype=torch.int64)
+    fast = select_trees(scores, tokens, parent_list, TreeShape(S, K, T))
+    selected = stk.select_tree_nodes(scores, parent_list, K, S, T, validate=False)
+    assert torch.equal(fast.tokens, tokens.gather(1, selected))
+    assert torch.equal(fast.parents, stk.node_parents(selected, parent_list, K))
+    assert fast.top1.all() and fast.top1.shape == (R, T)

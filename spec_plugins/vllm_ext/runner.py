@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import functools
 import math
 import time
 
@@ -62,23 +63,41 @@ class TreeGroup:
     """This step's trees with T nodes (B of them).
 
     rows [B]: batch rows; q_starts / context_lens [B] int64 (device);
-    candidates [B, T] int64 node tokens (root first); build: ``TreeBuild``
-    (mask, positions, retrieve links); max_depth: deepest node.
+    candidates [B, T] int64 node tokens (root first); ``build``: their
+    ``TreeBuild`` (mask, positions, retrieve links), made on first use: a step
+    of greedy chains verifies through vLLM's rejection sampler and never
+    reads it; max_depth: deepest node.
     """
 
     rows: list
     q_starts: torch.Tensor
     context_lens: torch.Tensor
     candidates: torch.Tensor
-    build: stk.TreeBuild
-    max_depth: int
+    mask_mode: str
     max_context: int  # host copy of the longest context
     tokens: list  # host copy of candidates
     parents: list  # host copy: [B][T] node-local parent of each node
     top1: list  # host copy: [B][T] the node is its parent's most likely child (DraftTrees.top1)
     all_chains: bool  # every tree of the group is a chain (causal: no tree mask needed)
+    host_context_lens: torch.Tensor  # [B] int64 host copy of context_lens
     sampled: list = field(default_factory=list)  # indices (into rows) of requests that sample (temperature > 0)
     predict: torch.Tensor | None = None  # [B, T] int64 token after each node (the extend's input), after the walk
+
+    @functools.cached_property
+    def host_build(self) -> stk.TreeBuild:
+        return stk.tree_from_parents(torch.tensor(self.parents, dtype=torch.int64), self.host_context_lens,
+                                     self.mask_mode)
+
+    @functools.cached_property
+    def build(self) -> stk.TreeBuild:
+        # Built on the host (a few hundred bytes) and copied once: no device syncs per step.
+        return stk.TreeBuild(*(t.to(self.q_starts.device, non_blocking=True) for t in self.host_build))
+
+    @functools.cached_property
+    def max_depth(self) -> int:
+        if self.all_chains:
+            return len(self.tokens[0]) - 1
+        return int((self.host_build.positions - self.host_context_lens[:, None]).max())
 
     @property
     def greedy(self) -> list[int]:
@@ -311,19 +330,14 @@ class TreeRunnerMixin:
         groups = {}
         for T, items in by_size.items():
             rows, q0s, ctxs, cands, parents, top1, samples = (list(x) for x in zip(*items))
-            # Built on the host (a few hundred bytes) and copied once: no device syncs per step.
             ctx_t = torch.tensor(ctxs, dtype=torch.int64)
-            build = stk.tree_from_parents(torch.tensor(parents, dtype=torch.int64), ctx_t,
-                                          self.tree_settings.mask_mode)
-            max_depth = int((build.positions - ctx_t[:, None]).max())
             dev = self.device
-            build = stk.TreeBuild(*(t.to(dev, non_blocking=True) for t in build))
             chain = list(range(-1, T - 1))
             groups[T] = TreeGroup(rows=rows, q_starts=torch.tensor(q0s, dtype=torch.int64).to(dev),
                                   context_lens=ctx_t.to(dev), candidates=torch.tensor(cands, dtype=torch.int64).to(dev),
-                                  build=build, max_depth=max_depth, max_context=max(ctxs), tokens=cands,
-                                  parents=parents, top1=top1,
-                                  all_chains=all(p == chain for p in parents),
+                                  mask_mode=self.tree_settings.mask_mode, max_context=max(ctxs), tokens=cands,
+                                  parents=parents, top1=top1, all_chains=all(p == chain for p in parents),
+                                  host_context_lens=ctx_t,
                                   sampled=[i for i, sampled in enumerate(samples) if sampled])
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return groups
