@@ -59,7 +59,7 @@ def run(args) -> dict:
         _add_baseline(base, ref)
         for h in args.heads:
             covered[h] += sum(t in vocab_sets[h] for t in ref.tokens)
-        _run_speculative(args, decoders, runs, shapes, pi, p.id, ids, ref)
+        _run_speculative(args, decoders, runs, shapes, pi, p, ids, ref)
         el = time.time() - t_start
         print(f"[bench] prompt {pi + 1}/{len(prompts)} ({p.id}, {len(ids)} prompt tokens) done, {el / 60:.1f} min",
               flush=True)
@@ -87,7 +87,8 @@ def _load_target_and_decoders(args):
 
 def _empty_runs(heads, shapes, temps) -> dict:
     """{(head, shape, temperature): running totals}, in the rows' order."""
-    return {(h, s, t): {"tokens": 0, "seconds": 0.0, "accept": [], "lossless": True if t == 0 else None,
+    return {(h, s, t): {"tokens": 0, "seconds": 0.0, "accept": [], "accept_by_domain": {},
+                        "lossless": True if t == 0 else None,
                         "mismatch": [], "timer": {"seconds": {}, "calls": {}}}
             for h in heads for s in shapes for t in temps}
 
@@ -100,19 +101,19 @@ def _add_baseline(base: dict, ref) -> None:
     base["t1_calls"] += ref.timer.calls.get("target_1", 0)
 
 
-def _run_speculative(args, decoders, runs, shapes, pi: int, prompt_id: str, ids, ref) -> None:
-    """One prompt through every head x shape x temperature; greedy runs are
-    checked token-identical to plain greedy (``ref``)."""
+def _run_speculative(args, decoders, runs, shapes, pi: int, prompt, ids, ref) -> None:
+    """One prompt (an ``EvalPrompt``) through every head x shape x temperature;
+    greedy runs are checked token-identical to plain greedy (``ref``)."""
     for h in args.heads:
         for s in shapes:
             for ti, t in enumerate(args.temperatures):
                 out = decoders[h].generate(ids, args.max_new_tokens, *s, temperature=t, top_p=args.top_p,
                                            top_k=args.top_k, seed=args.seed + 1000 * pi + ti)
                 r = runs[(h, s, t)]
-                _accumulate(r, out)
+                _accumulate(r, out, prompt.category)
                 if t == 0 and out.tokens != ref.tokens:
                     r["lossless"] = False
-                    r["mismatch"].append(prompt_id)
+                    r["mismatch"].append(prompt.id)
 
 
 def _summary(args, prompts, runs, base, covered, t_start) -> dict:
@@ -151,6 +152,10 @@ def _row(args, h: str, s: tuple, temp: float, r: dict, t_T: float, base_tps: flo
         "head": h, "num_steps": steps, "topk": topk, "num_draft_tokens": T, "kind": "chain" if topk == 1 else "tree",
         "temperature": temp, "top_p": args.top_p if temp > 0 else None, "top_k": args.top_k if temp > 0 else None,
         "tau": round(tau, 3), "accept_by_depth": by_depth, "verify_steps": len(acc), "S": steps,
+        "tau_by_domain": {d: round(1 + sum(a) / max(1, len(a)), 3) for d, a in sorted(r["accept_by_domain"].items())},
+        "accept_by_depth_by_domain": {d: [round(sum(x >= k for x in a) / max(1, len(a)), 4)
+                                          for k in range(1, steps + 1)]
+                                      for d, a in sorted(r["accept_by_domain"].items())},
         "t_V_over_t_T": round(t_V / t_T, 3), "c": round(c, 4), "predicted_speedup": round(predicted, 3),
         "measured_speedup": round(measured, 3), "tokens_per_s": round(r["tokens"] / r["seconds"], 2),
         "lossless": r["lossless"], "mismatched_prompts": r["mismatch"],
@@ -159,10 +164,11 @@ def _row(args, h: str, s: tuple, temp: float, r: dict, t_T: float, base_tps: flo
     }
 
 
-def _accumulate(r: dict, out) -> None:
+def _accumulate(r: dict, out, domain: str) -> None:
     r["tokens"] += len(out.tokens)
     r["seconds"] += out.seconds
     r["accept"].extend(out.accept_lengths)
+    r["accept_by_domain"].setdefault(domain, []).extend(out.accept_lengths)
     for k, v in out.timer.seconds.items():
         r["timer"]["seconds"][k] = r["timer"]["seconds"].get(k, 0.0) + v
         r["timer"]["calls"][k] = r["timer"]["calls"].get(k, 0) + out.timer.calls[k]
@@ -217,6 +223,21 @@ def tau_table(res: dict) -> list[str]:
     return lines
 
 
+def domain_table(res: dict) -> list[str]:
+    """Greedy tau per head x shape (rows) and evaluation domain (columns: chat categories, humaneval)."""
+    rows = [r for r in res["rows"] if _temp(r) == 0 and r.get("tau_by_domain")]
+    if not rows:
+        return []
+    domains = sorted({d for r in rows for d in r["tau_by_domain"]})
+    lines = ["| head | (steps, topk, T) | " + " | ".join(f"tau {d}" for d in domains) + " |",
+             "|---|---|" + "---|" * len(domains)]
+    for r in rows:
+        cells = [f"{r['tau_by_domain'][d]:.2f}" if d in r["tau_by_domain"] else "-" for d in domains]
+        lines.append(f"| {r['head']} | ({r['num_steps']}, {r['topk']}, {r['num_draft_tokens']}) | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
 def table(res: dict) -> str:
     bases = res.get("baselines", [res["baseline"]])
     sampled = [t for t in res.get("temperatures", [0.0]) if t > 0]
@@ -231,7 +252,7 @@ def table(res: dict) -> str:
                      + (f", top-k {res['top_k']}" if res.get("top_k") else "")
                      + f", seeds {res['seeds']}; verify_tree_sampling (target-only recursive rejection, exact in "
                      "distribution); measured speedup against the greedy baseline's tokens/s.")
-    lines += ["", *tau_table(res), "",
+    lines += ["", *tau_table(res), "", *domain_table(res), "",
               "| head | (steps, topk, T) | kind | temperature | tau | accept by depth | S | t_V/t_T | c | predicted | "
               "measured | lossless |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]

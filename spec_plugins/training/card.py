@@ -78,9 +78,13 @@ def data_lines(kind: HeadKind, info: dict) -> list[str]:
         "",
         f"Self-distilled: {d['source']}. {d['train_sequences']} training sequences "
         f"({d['train_tokens']} tokens, {d['train_answer_tokens']} answer tokens, answers <= {d['max_new_tokens']} "
-        f"new tokens), {d['held_out_sequences']} held out. Training prompts are generated "
-        "(topics x templates, Python standard-library functions, arithmetic) and checked disjoint from every "
-        "evaluation prompt (HumanEval, the project's chat set).",
+        f"new tokens), {d['held_out_sequences']} held out"
+        + (f"; by domain {d['sequences_by_domain']}, by kind {d['sequences_by_kind']}" if "sequences_by_domain" in d
+           else "")
+        + ". Training prompts: real Python functions (signatures, docstrings and bodies read from the standard "
+        "library and pinned installed packages), topic requests (questions, explanations, writing), arithmetic, "
+        "two-turn chats; deduplicated and sharing no 8-word sequence with any evaluation prompt (HumanEval, "
+        "the project's chat set).",
         "",
         "## Draft vocabulary coverage",
         "",
@@ -91,7 +95,8 @@ def data_lines(kind: HeadKind, info: dict) -> list[str]:
         + (" (the EAGLE-1 head predicts over the full vocabulary; the subset is only used for its "
            "classification loss)." if kind is HeadKind.EAGLE1 else "."),
         "",
-    ]
+    ] + [f"- held-out {domain}: " + ", ".join(f"{k}: {v:.3f}" for k, v in cov.items())
+         for domain, cov in dv.get("coverage_held_out_by_domain", {}).items() if domain != "all"] + [""]
 
 
 def training_lines(kind: HeadKind, info: dict) -> list[str]:
@@ -123,7 +128,8 @@ def training_lines(kind: HeadKind, info: dict) -> list[str]:
         "Held-out top-1 agreement with the target by unrolled draft step: "
         + ", ".join(f"step {j}: {s['acc']:.3f}" for j, s in enumerate(info["held_out"])) + ".",
         "",
-    ]
+    ] + [f"- {domain}: " + ", ".join(f"{s['acc']:.3f}" for s in steps)
+         for domain, steps in info.get("held_out_by_domain", {}).items() if domain != "all"] + [""]
 
 
 def acceptance_lines(kind: HeadKind, bench: dict) -> list[str]:

