@@ -7,8 +7,11 @@ runs one implementation:
 * ``impl="triton"`` the Triton kernels in ``triton_ops.py`` (CUDA tensors, or
   CPU tensors under ``TRITON_INTERPRET=1``);
 * ``impl="cuda"``   the CUDA C++ kernels in ``cuda_ops.py`` (JIT-built);
+* ``impl="cpu"``    tree attention only: the host C kernel of ``cpu_attention.py``
+  (built at engine startup by ``startup.prepare``);
 * ``impl="auto"``   (default) the fastest available for the tensors' device:
-  see ``_AUTO_PREFERENCE``; the reference on CPU.
+  see ``_AUTO_PREFERENCE``; on CPU the reference, and tree attention's host
+  kernel once built.
 
 ``SPEC_TREE_KERNELS_IMPL`` overrides ``auto`` process-wide (``resolve_impl``,
 which tree attention honours too).
@@ -33,7 +36,7 @@ from .reference import TreeBuild, VerifyResult
 from .tree_shape import check_positive as _check_positive
 from .tree_shape import parent_list_width, pool_size, validate_tree_shape  # noqa: F401  (the public API)
 
-IMPLS = ("torch", "triton", "cuda")
+IMPLS = ("torch", "triton", "cuda", "cpu")
 # Per op, the faster GPU implementation as measured on an H200 (results/): CUDA
 # wins build, verify and the KV move (one launch for all layers); selection has
 # no CUDA kernel.
@@ -48,7 +51,8 @@ _AUTO_PREFERENCE = {
 # The implementations an op accepts where not all of IMPLS: asked for another
 # one it raises ValueError, and ``SPEC_TREE_KERNELS_IMPL`` naming another one
 # leaves the op on ``auto``. (Selection accepts "cuda" and runs the reference.)
-_OP_IMPLS = {"attention": ("torch", "triton")}
+_OP_IMPLS = {"attention": ("torch", "triton", "cpu")}  # the others: "cpu" is no implementation of theirs
+_OP_IMPLS.update({op: ("torch", "triton", "cuda") for op in _AUTO_PREFERENCE if op != "attention"})
 IMPL_ENV = "SPEC_TREE_KERNELS_IMPL"
 
 
@@ -75,6 +79,12 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def cpu_attention_usable() -> bool:
+    from . import cpu_attention
+
+    return cpu_attention.available()
+
+
 def cuda_usable(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
@@ -92,7 +102,7 @@ def resolve_impl(op: str, impl: str, device: torch.device) -> str:
         impl = "auto" if forced in IMPLS and forced not in accepted else forced
     if impl == "auto":
         if device.type != "cuda":
-            return "torch"
+            return "cpu" if op == "attention" and device.type == "cpu" and cpu_attention_usable() else "torch"
         for choice in _AUTO_PREFERENCE[op]:
             if choice == "torch" or (choice == "triton" and triton_usable(device)) or (
                 choice == "cuda" and cuda_usable(device)
@@ -108,6 +118,11 @@ def resolve_impl(op: str, impl: str, device: torch.device) -> str:
         )
     if impl == "cuda" and not cuda_usable(device):
         raise RuntimeError(f"impl='cuda' needs CUDA tensors and a built CUDA extension (device={device})")
+    if impl == "cpu" and not (device.type == "cpu" and cpu_attention_usable()):
+        from . import cpu_attention
+
+        raise RuntimeError(f"impl='cpu' needs CPU tensors and the built host kernel (device={device}; "
+                           f"cpu_attention.build(): {cpu_attention.build_error() or 'not called'})")
     return impl
 
 

@@ -77,10 +77,18 @@ from .api import resolve_impl
 
 
 def tree_attention(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale=None, *, impl: str = "auto"):
-    """Tree attention; ``impl`` is "torch" (reference), "triton" or "auto",
-    chosen by ``api.resolve_impl`` like every op (``SPEC_TREE_KERNELS_IMPL``
-    honoured; auto: Triton on CUDA when importable, the reference otherwise).
+    """Tree attention; ``impl`` is "torch" (reference), "triton", "cpu" (the
+    host C kernel, once built) or "auto", chosen by ``api.resolve_impl`` like
+    every op (``SPEC_TREE_KERNELS_IMPL`` honoured; auto: Triton on CUDA when
+    importable, the host kernel on CPU when built, the reference otherwise).
     The Triton path picks its kernel (single pass or split KV) by shape."""
-    if resolve_impl("attention", impl, q.device) == "triton":
+    which = resolve_impl("attention", impl, q.device)
+    if which == "triton":
         return tree_attention_triton(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale)
+    if which == "cpu":
+        from .attention_plan import TreeAttentionPlan
+
+        plan = TreeAttentionPlan.create(block_table, context_lens, tree_mask, mode, q.shape[1], k_cache.shape[1],
+                                        impl="cpu")
+        return plan.run(q, k_cache, v_cache, scale)
     return tree_attention_reference(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale)

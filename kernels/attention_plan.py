@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu_attention
 from .api import resolve_impl
 from .attention_reference import _check_layer_inputs, _check_step_inputs, _default_scale, visible_positions
 from .modes import TreeMaskMode
@@ -88,7 +89,7 @@ class TreeAttentionPlan:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         impl = resolve_impl("attention", impl, device)
-        if impl == "torch":
+        if impl in ("torch", "cpu"):  # the host kernel reads the torch path's blocks and mask
             blocks, bias = _torch_blocks_and_bias(block_table, context_lens, tree_mask, mode, nodes, block_size,
                                                   max_context_len)
             return cls(impl, mode, batch, nodes, block_size, block_table, context_lens, tree_mask, max_context_len,
@@ -102,7 +103,9 @@ class TreeAttentionPlan:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None):
         """One layer: q [B, T, Hq, D], the layer's K/V views -> [B, T, Hq, D]."""
         self._check_layer(q, k_cache, v_cache)
-        if self.impl == "torch":
+        if self.impl == "cpu" and cpu_attention.supports(q, k_cache, v_cache):
+            return cpu_attention.run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]))
+        if self.impl in ("torch", "cpu"):  # (a dtype the host kernel has no code for: the torch path)
             return _torch_run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]))
         return self._triton_run(q, k_cache, v_cache, scale)
 

@@ -6,7 +6,8 @@ the build runs in a killable child behind an owner-PID lock,
 ``cuda_build_guard``), so no compile runs on the first decode step under the
 engine's watchdogs; when the toolchain is missing or the build fails or times
 out, it logs why and ``impl="auto"`` uses Triton for build / verify / KV move
-instead.
+instead. On the host CPU it builds tree attention's C kernel
+(``cpu_attention``; a compiler error is logged and the torch path serves).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def prepare(device) -> dict[str, str]:
     device = torch.device(device)
     if device.type == "cuda":
         cuda_ops.ensure_built()
+    elif device.type == "cpu":
+        from . import cpu_attention
+
+        if not cpu_attention.build():
+            logger.warning("spec_tree_kernels: tree attention keeps its torch path on this CPU: %s",
+                           cpu_attention.build_error())
     impls = {op: resolve_impl(op, "auto", device) for op in _AUTO_PREFERENCE}
     logger.info("spec_tree_kernels on %s: %s", device, impls)
     return impls

@@ -435,7 +435,7 @@ def test_dispatch_and_validation():
     args = p.args(torch.device("cpu"))
     ref = tree_attention_reference(*args)
     assert torch.equal(tree_attention(*args, impl="torch"), ref)
-    assert torch.equal(tree_attention(*args), ref)  # auto on CPU: the reference
+    assert_close(tree_attention(*args), ref, torch.float32)  # auto on CPU: the host kernel once built, else the reference
     with pytest.raises(ValueError, match="impl"):
         tree_attention(*args, impl="cuda")
     q, k, v, table, ctx, mask, mode, scale = args
@@ -462,8 +462,9 @@ def test_dispatch_honours_the_impl_env(monkeypatch):
     args = p.args(torch.device("cpu"))
     ref = tree_attention_reference(*args)
     monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "cuda")
-    assert resolve_impl("attention", "auto", torch.device("cpu")) == "torch"
-    assert torch.equal(tree_attention(*args), ref)
+    host = "cpu" if cpu_attention.available() else "torch"
+    assert resolve_impl("attention", "auto", torch.device("cpu")) == host
+    assert_close(tree_attention(*args), ref, torch.float32)
     with pytest.raises(ValueError, match="impl"):
         resolve_impl("attention", "cuda", torch.device("cpu"))
     monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "torch")
@@ -610,9 +611,95 @@ def test_plan_resolves_its_impl_like_every_op(monkeypatch):
     p = finite_problem("random", 4, [3, 8], seed=2)
     monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "torch")
     assert plan_of(p, "auto").impl == "torch"
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "cpu")
+    if cpu_attention.available() and DEVICE.type == "cpu":
+        assert plan_of(p, "auto").impl == "cpu"
     monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "triton")
     if _triton_usable(DEVICE):
         assert plan_of(p, "auto").impl == "triton"
     else:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             plan_of(p, "auto")
+
+
+# ------------------------------------------------ the host C kernel (impl="cpu")
+
+from spec_tree_kernels import cpu_attention  # noqa: E402
+
+needs_cc = pytest.mark.skipif(not cpu_attention.build(), reason=f"no host C compiler: {cpu_attention.build_error()}")
+
+
+def cpu_layout(cache_k: torch.Tensor, cache_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same K/V in vLLM-CPU's fp32 layout ([num_blocks, Hkv, block_size, 2D]:
+    per block and head, K transposed [D, block_size], then V [block_size, D]),
+    as [num_blocks, block_size, Hkv, D] views (``cpu_kv_views``' strides)."""
+    nb, bs, hkv, dim = cache_k.shape
+    raw = torch.empty(nb, hkv, bs, 2 * dim, dtype=cache_k.dtype)
+    k = raw.as_strided((nb, bs, hkv, dim), (raw.stride(0), 1, raw.stride(1), bs))
+    v = raw.as_strided((nb, bs, hkv, dim), (raw.stride(0), dim, raw.stride(1), 1), bs * dim)
+    k.copy_(cache_k)
+    v.copy_(cache_v)
+    return k, v
+
+
+@needs_cc
+@pytest.mark.parametrize("layout", ["contiguous", "cpu"])
+@pytest.mark.parametrize("mode", [AB, PP, QL])
+@pytest.mark.parametrize("kind,nodes,ctx,hq,hkv,bs", [("random", 7, [0, 19, 45], 6, 2, 16), ("chain", 8, [130], 9, 3, 64), ("random", 8, [300, 7], 9, 3, 128),
+                                                     ("star", 5, [3, 64, 200], 4, 4, 32), ("random", 1, [17], 2, 1, 16)])
+def test_cpu_kernel_plan_equals_dense(layout, mode, kind, nodes, ctx, hq, hkv, bs):
+    """The host kernel over several layers of one step equals the independent
+    dense attention, in the generic-stride loops (contiguous cache) and the
+    vectorized ones (vLLM-CPU's transposed K)."""
+    first = finite_problem(kind, nodes, ctx, seed=5, hq=hq, hkv=hkv, dim=64 if bs >= 64 else 16, block_size=bs,
+                           mode=mode)
+    layers = [first, another_layer(first, 6)]
+    plan = plan_of(first, "cpu", max_context_len=max(ctx))
+    assert plan.impl == "cpu"
+    for p in layers:
+        q, k_cache, v_cache, *_ = p.args()
+        if layout == "cpu":
+            k_cache, v_cache = cpu_layout(k_cache, v_cache)
+            assert k_cache.stride(1) == 1
+        assert_close(plan.run(q, k_cache, v_cache, p.scale), p.dense(), torch.float32)
+
+
+@needs_cc
+def test_cpu_kernel_falls_back_to_torch_for_other_dtypes():
+    p = finite_problem("random", 6, [5, 33], seed=7, dtype=torch.bfloat16)
+    q, k_cache, v_cache, *_ = p.args()
+    assert not cpu_attention.supports(q, k_cache, v_cache)
+    cpu = plan_of(p, "cpu", max_context_len=33).run(q, k_cache, v_cache, p.scale)
+    torch_path = plan_of(p, "torch", max_context_len=33).run(q, k_cache, v_cache, p.scale)
+    assert torch.equal(cpu, torch_path)
+
+
+@needs_cc
+def test_cpu_kernel_is_what_auto_picks_on_cpu_once_built(monkeypatch):
+    from spec_tree_kernels.api import resolve_impl
+
+    p = finite_problem("random", 4, [3, 8], seed=2)
+    cpu = torch.device("cpu")
+    assert resolve_impl("attention", "auto", cpu) == "cpu"
+    assert resolve_impl("verify", "auto", cpu) == "torch"  # no other op has a host kernel
+    with pytest.raises(ValueError, match="impl"):
+        resolve_impl("verify", "cpu", cpu)
+    assert_close(tree_attention(*p.args(cpu)), p.dense(), torch.float32)
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "torch")
+    assert resolve_impl("attention", "auto", cpu) == "torch"
+    monkeypatch.delenv("SPEC_TREE_KERNELS_IMPL")
+    monkeypatch.setattr(cpu_attention, "_lib", None)  # as where no compiler built it
+    assert resolve_impl("attention", "auto", cpu) == "torch"
+    with pytest.raises(RuntimeError, match="impl='cpu' needs"):
+        plan_of(p, "cpu")
+
+
+def test_cpu_kernel_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
+    """A compiler that fails (or is missing) leaves the torch path and says why."""
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setenv("SPEC_TREE_KERNELS_BUILD_DIR", str(tmp_path))
+    assert cpu_attention.build(compiler="false") is False
+    assert "false could not build tree_attention_cpu.c" in cpu_attention.build_error()
+    assert cpu_attention.build(compiler=str(tmp_path / "no-such-cc")) is False
+    assert "no-such-cc" in cpu_attention.build_error()
+    assert not cpu_attention.available()

@@ -70,6 +70,8 @@ def _cpu_key_strides(isa: str, dtype: torch.dtype, block_size: int, head_size: i
 
 
 class TreeCPUAttentionImpl(TreeRowsMixin, CPUAttentionBackendImpl):
+    tree_impl = "auto"  # the host C kernel (built by TreeCPUWorker at startup), else torch
+
     def kv_views(self, layer, kv_cache):
         return cpu_kv_views(kv_cache, layer.isa)
 

@@ -30,3 +30,6 @@ class TreeCPUWorker(TreeStatsMixin, CPUWorker):
             super().init_device()
         finally:
             _cpu_worker_module.CPUModelRunner = original
+        from spec_tree_kernels.startup import prepare
+
+        prepare("cpu")  # tree attention's host kernel: compiled now, not in a step
