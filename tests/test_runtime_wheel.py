@@ -92,6 +92,7 @@ def test_wheel_holds_the_runtime_and_nothing_else(wheel):
                                              "tree_drafting", "synthetic_trees")}
     cli |= {f"spec_plugins/budget/{m}.py" for m in ("__init__", "menu", "costs", "acceptance", "policy")}
     assert "spec_tree_kernels/csrc/tree_ops.cu" in kernels and "spec_plugins/vllm_ext/runner.py" in adapters
+    assert "spec_tree_kernels/csrc/tree_attention_cpu.c" in kernels  # the host attention kernel builds from it
     assert not (kernels | adapters | cli) - files, "missing from the wheel"
     # out: weights, training, prompts, the target, benchmarks, the reference decoder, the SGLang test doubles
     assert not {f for f in files if f.endswith(".safetensors")}

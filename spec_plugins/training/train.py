@@ -249,15 +249,15 @@ def init_head(kind: str, target, draft_ids: torch.Tensor, seed: int) -> EagleHea
 RECIPE_DATA = ["--num-prompts", "3000", "--max-new-tokens", "192", "--sampled-fraction", "0.2"]
 RECIPES = {
     "eagle3": [
-        [*RECIPE_DATA, "--epochs", "2", "--tokens-per-batch", "2048", "--lr", "1e-3", "--threads", "2",
+        [*RECIPE_DATA, "--epochs", "1", "--tokens-per-batch", "2048", "--lr", "1e-3", "--threads", "2",
          "--unroll", "5"],
-        [*RECIPE_DATA, "--epochs", "1", "--tokens-per-batch", "2048", "--lr", "4e-4", "--threads", "2",
+        [*RECIPE_DATA, "--epochs", "0.5", "--tokens-per-batch", "2048", "--lr", "4e-4", "--threads", "2",
          "--unroll", "5", "--soft-labels"],
     ],
     "eagle1": [
-        [*RECIPE_DATA, "--epochs", "2", "--tokens-per-batch", "2048", "--lr", "1e-3", "--threads", "2",
+        [*RECIPE_DATA, "--epochs", "1", "--tokens-per-batch", "2048", "--lr", "1e-3", "--threads", "2",
          "--unroll", "5"],
-        [*RECIPE_DATA, "--epochs", "1", "--tokens-per-batch", "2048", "--lr", "4e-4", "--threads", "2",
+        [*RECIPE_DATA, "--epochs", "0.5", "--tokens-per-batch", "2048", "--lr", "4e-4", "--threads", "2",
          "--unroll", "5", "--ce-weight", "0.5"],
     ],
 }

@@ -151,6 +151,7 @@ class TreeStats:
     steps: int = 0  # engine steps (execute_model + sample_tokens)
     step_seconds: float = 0.0  # their wall time: target forward + vLLM's sampling + the head + ours
     budget_steps: dict = field(default_factory=dict)  # adaptive budget: steps each menu entry was drafted ("none", "5,4,8")
+    tree_attention_impl: str = ""  # what verifies tree rows (spec_tree_kernels impl: "cpu", "torch", "triton")
 
 
 def chain_spec_decode_metadata(drafts: list[list[int]], device):
@@ -229,6 +230,8 @@ class TreeRunnerMixin:
                                        target_layers + sorted(draft_layers))
         check_at_startup(self, target_layers, sorted(draft_layers))  # layouts/variants: refuse now, not per request
         install_full_logitsprocs(self)  # logit_bias, min_p, entry-point processors apply as without speculation
+        impl = self.compilation_config.static_forward_context[target_layers[0]].impl.tree_impl
+        self.tree_stats.tree_attention_impl = stk.resolve_impl("attention", impl, self.device)
         if self.budget is not None:
             self._profile_plain_decode()
 

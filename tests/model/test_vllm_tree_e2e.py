@@ -175,6 +175,7 @@ def test_tree_greedy_identical_batch_and_single(kind, shape, prompts, baseline):
     # greedy chains verify through vLLM's own rejection sampler, branching trees through the walk
     runner = m["runner"]
     assert runner["verify_steps"] > 0, runner
+    assert runner["tree_attention_impl"] == "cpu", runner  # the host C kernel, built at startup (not the torch path)
     if topk == 1:
         assert runner["chain_steps"] == runner["verify_steps"], runner
     else:  # a tree the scheduler trims to a BFS prefix may be a chain

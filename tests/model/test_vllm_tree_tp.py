@@ -3,7 +3,7 @@
 SmolLM2-135M has 9 query and 3 KV heads, and the shipped heads the same, so
 tensor_parallel_size=3 is the size that divides them. The EAGLE-1 head drafts
 here: vLLM shards a head's lm_head over its vocabulary, and the EAGLE-3 head's
-reduced vocabulary (8192) does not divide by 3 (refused at startup, tested). vLLM-CPU binds each
+reduced vocabulary (a power of two) does not divide by 3 (refused at startup, tested). vLLM-CPU binds each
 rank's OpenMP threads to a core; these 2-core machines bind ranks 0 and 2 to
 core 0 and rank 1 to core 1 (``VLLM_CPU_OMP_THREADS_BIND``), without which vLLM
 stops ("Not enough allowed NUMA nodes to bind threads of 3 local CPUWorkers").
@@ -134,10 +134,22 @@ def test_tp_tree_under_preemption(prompts):
     assert outs["tree"] == outs["plain"]
 
 
+def _eagle3_vocab() -> int:
+    """The shipped EAGLE-3 head's draft vocabulary (a power of two: TP=3 never divides it)."""
+    import json
+
+    from spec_plugins.heads import head_path
+
+    size = json.loads((head_path("eagle3") / "config.json").read_text())["draft_vocab_size"]
+    assert size % 3, size
+    return size
+
+
 def test_eagle3_head_whose_vocabulary_tp_does_not_divide_is_refused_at_startup():
     from vllm import LLM
 
-    with pytest.raises(Exception, match=r"does not divide the draft head .*vocabulary \(8192, 8192 padded\)"):
+    v = _eagle3_vocab()
+    with pytest.raises(Exception, match=rf"does not divide the draft head .*vocabulary \({v}, {v} padded\)"):
         LLM(**tree_kwargs("eagle3", (5, 4, 8), **TP_KW))
     gc.collect()
 
@@ -169,6 +181,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused():
     with pytest.raises(TreeConfigError, match=r"draft head eagle1-head's num_key_value_heads=1"):
         check_tensor_parallel_heads(3, head, target, "eagle1-head")
     eagle3 = AutoConfig.from_pretrained(head_path("eagle3"))
-    with pytest.raises(TreeConfigError, match=r"eagle3-head's vocabulary \(8192, 8192 padded\)"):
+    v = _eagle3_vocab()
+    with pytest.raises(TreeConfigError, match=rf"eagle3-head's vocabulary \({v}, {v} padded\)"):
         check_tensor_parallel_heads(3, eagle3, target, "eagle3-head")
     check_tensor_parallel_heads(1, eagle3, target, "eagle3-head")  # TP 1: nothing to divide
