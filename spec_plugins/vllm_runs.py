@@ -230,7 +230,13 @@ def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concur
 
 def _combine_counters(a, b, sign: int):
     """a + sign * b for a runner counter: a number, or a dict of numbers
-    (budget_steps; entries that come to 0 are dropped). None counts as 0."""
+    (budget_steps; entries that come to 0 are dropped). None counts as 0. A
+    string is a setting the runner reports (tree_attention_impl), not a
+    counter: a delta keeps a's, a sum the distinct values joined by commas."""
+    if isinstance(a, str) or isinstance(b, str):
+        if sign < 0:
+            return a
+        return ",".join(dict.fromkeys(v for x in (a, b) if x for v in x.split(",")))
     if isinstance(a, dict) or isinstance(b, dict):
         a, b = a or {}, b or {}
         both = {k: a.get(k, 0) + sign * b.get(k, 0) for k in {**a, **b}}

