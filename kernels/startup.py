@@ -6,8 +6,8 @@ the build runs in a killable child behind an owner-PID lock,
 ``cuda_build_guard``), so no compile runs on the first decode step under the
 engine's watchdogs; when the toolchain is missing or the build fails or times
 out, it logs why and ``impl="auto"`` uses Triton for build / verify / KV move
-instead. On the host CPU it builds tree attention's C kernel
-(``cpu_attention``; a compiler error is logged and the torch path serves).
+instead. On the host CPU it builds tree attention's opt-in C kernel
+(``cpu_attention``): a failure is an error only when it was asked for.
 """
 
 from __future__ import annotations
@@ -31,11 +31,17 @@ def prepare(device) -> dict[str, str]:
     if device.type == "cuda":
         cuda_ops.ensure_built()
     elif device.type == "cpu":
+        import os
+
         from . import cpu_attention
+        from .api import IMPL_ENV
 
         if not cpu_attention.build():
-            logger.warning("spec_tree_kernels: tree attention keeps its torch path on this CPU: %s",
-                           cpu_attention.build_error())
+            if os.environ.get(IMPL_ENV) == "cpu":
+                raise RuntimeError(f"{IMPL_ENV}=cpu asks for the host tree attention kernel, which did not build: "
+                                   f"{cpu_attention.build_error()}")
+            logger.info("spec_tree_kernels: the host tree attention kernel did not build (torch serves): %s",
+                        cpu_attention.build_error())
     impls = {op: resolve_impl(op, "auto", device) for op in _AUTO_PREFERENCE}
     logger.info("spec_tree_kernels on %s: %s", device, impls)
     return impls

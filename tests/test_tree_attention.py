@@ -435,7 +435,7 @@ def test_dispatch_and_validation():
     args = p.args(torch.device("cpu"))
     ref = tree_attention_reference(*args)
     assert torch.equal(tree_attention(*args, impl="torch"), ref)
-    assert_close(tree_attention(*args), ref, torch.float32)  # auto on CPU: the host kernel once built, else the reference
+    assert torch.equal(tree_attention(*args), ref)  # auto on CPU: the reference
     with pytest.raises(ValueError, match="impl"):
         tree_attention(*args, impl="cuda")
     q, k, v, table, ctx, mask, mode, scale = args
@@ -462,9 +462,8 @@ def test_dispatch_honours_the_impl_env(monkeypatch):
     args = p.args(torch.device("cpu"))
     ref = tree_attention_reference(*args)
     monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "cuda")
-    host = "cpu" if cpu_attention.available() else "torch"
-    assert resolve_impl("attention", "auto", torch.device("cpu")) == host
-    assert_close(tree_attention(*args), ref, torch.float32)
+    assert resolve_impl("attention", "auto", torch.device("cpu")) == "torch"
+    assert torch.equal(tree_attention(*args), ref)
     with pytest.raises(ValueError, match="impl"):
         resolve_impl("attention", "cuda", torch.device("cpu"))
     monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "torch")
@@ -675,23 +674,36 @@ def test_cpu_kernel_falls_back_to_torch_for_other_dtypes():
 
 
 @needs_cc
-def test_cpu_kernel_is_what_auto_picks_on_cpu_once_built(monkeypatch):
+def test_cpu_kernel_is_opt_in(monkeypatch):
+    """auto stays torch on CPU; SPEC_TREE_KERNELS_IMPL=cpu picks the host kernel
+    for tree attention and leaves every other op on auto."""
     from spec_tree_kernels.api import resolve_impl
 
     p = finite_problem("random", 4, [3, 8], seed=2)
     cpu = torch.device("cpu")
+    assert resolve_impl("attention", "auto", cpu) == "torch"
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "cpu")
     assert resolve_impl("attention", "auto", cpu) == "cpu"
     assert resolve_impl("verify", "auto", cpu) == "torch"  # no other op has a host kernel
     with pytest.raises(ValueError, match="impl"):
         resolve_impl("verify", "cpu", cpu)
     assert_close(tree_attention(*p.args(cpu)), p.dense(), torch.float32)
-    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "torch")
-    assert resolve_impl("attention", "auto", cpu) == "torch"
     monkeypatch.delenv("SPEC_TREE_KERNELS_IMPL")
     monkeypatch.setattr(cpu_attention, "_lib", None)  # as where no compiler built it
-    assert resolve_impl("attention", "auto", cpu) == "torch"
     with pytest.raises(RuntimeError, match="impl='cpu' needs"):
         plan_of(p, "cpu")
+
+
+def test_startup_refuses_a_requested_host_kernel_that_did_not_build(monkeypatch):
+    from spec_tree_kernels import startup
+
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    monkeypatch.setattr(cpu_attention, "build", lambda compiler=None: False)
+    monkeypatch.setattr(cpu_attention, "_error", "no C compiler (cc, gcc or $CC) on PATH")
+    assert startup.prepare("cpu")["attention"] == "torch"  # not asked for: torch serves
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "cpu")
+    with pytest.raises(RuntimeError, match="SPEC_TREE_KERNELS_IMPL=cpu asks for the host tree attention kernel"):
+        startup.prepare("cpu")
 
 
 def test_cpu_kernel_build_failure_is_reported_not_raised(monkeypatch, tmp_path):

@@ -175,11 +175,24 @@ def test_tree_greedy_identical_batch_and_single(kind, shape, prompts, baseline):
     # greedy chains verify through vLLM's own rejection sampler, branching trees through the walk
     runner = m["runner"]
     assert runner["verify_steps"] > 0, runner
-    assert runner["tree_attention_impl"] == "cpu", runner  # the host C kernel, built at startup (not the torch path)
+    assert runner["tree_attention_impl"] == "torch", runner  # the default (the host kernel is opt-in)
     if topk == 1:
         assert runner["chain_steps"] == runner["verify_steps"], runner
     else:  # a tree the scheduler trims to a BFS prefix may be a chain
         assert runner["chain_steps"] < runner["verify_steps"] / 10, runner
+
+
+def test_tree_greedy_identical_with_the_host_attention_kernel(prompts, baseline, monkeypatch):
+    """SPEC_TREE_KERNELS_IMPL=cpu: tree rows through the host C kernel (built at
+    the worker's startup), still token-identical, batched and single."""
+    from vllm import SamplingParams
+
+    monkeypatch.setenv("SPEC_TREE_KERNELS_IMPL", "cpu")
+    sp = [SamplingParams(temperature=0.0, max_tokens=n) for n in BATCH_MAX_TOKENS]
+    (batch, single), _, m = run_engine(tree_kwargs("eagle3", (5, 4, 8)), (prompts, sp), ([prompts[3]], sp[3]))
+    assert_identical(baseline["batch"], token_ids(batch))
+    assert_identical(baseline["batch"][3:4], token_ids(single))
+    assert m["runner"]["tree_attention_impl"] == "cpu" and m["accepted"] > 0, m
 
 
 def test_stop_string_eos_and_max_model_len(prompts, long_prompt, tokenizer, baseline):
