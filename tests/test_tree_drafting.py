@@ -38,7 +38,7 @@ def test_expand_pool_batched_equals_one_request_at_a_time(shape):
         # round its last bit differently on some CPUs: AVX-512 kernels are picked by shape)
         (b_scores, b_tokens, b_parents), (s_scores, s_tokens, s_parents) = batched, single
         assert torch.equal(b_tokens[r], s_tokens[0]) and torch.equal(b_parents[r], s_parents[0])
-        torch.testing.assert_close(b_scores[r], s_scores[0], rtol=1e-6, atol=0)
+        torch.testing.assert_close(b_scores[r], s_scores[0], rtol=1e-5, atol=1e-7)
     scores, tokens, parent_list = batched
     assert scores.shape == (R, stk.pool_size(K, S)) and parent_list.shape == (R, stk.parent_list_width(K, S))
     assert set(tokens.flatten().tolist()) <= set(d2t.tolist())  # target ids through d2t
