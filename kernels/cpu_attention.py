@@ -107,11 +107,9 @@ def run(blocks: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, k_cache: torc
     nb = blocks.shape[1]
     work = torch.empty(_lib.spec_tree_attention_workspace(nodes, nb, block_size, dim), dtype=torch.float32)
 
-    def base(view):  # pointer to element [0, 0, 0, 0] of the view
-        return view.data_ptr()
-
+    # data_ptr(): element [0, 0, 0, 0] of each view (storage offset included)
     _lib.spec_tree_attention_f32(q.data_ptr(), batch, nodes, hq, dim,
-                                 base(k_cache), *k_cache.stride(), base(v_cache), *v_cache.stride(),
+                                 k_cache.data_ptr(), *k_cache.stride(), v_cache.data_ptr(), *v_cache.stride(),
                                  k_cache.shape[0], hkv, block_size, blocks.data_ptr(), nb, bias.data_ptr(), float(scale),
                                  out.data_ptr(), work.data_ptr())
     return out
