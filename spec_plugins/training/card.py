@@ -135,16 +135,19 @@ def training_lines(kind: HeadKind, info: dict) -> list[str]:
 def acceptance_lines(kind: HeadKind, bench: dict) -> list[str]:
     """The acceptance benchmark's rows of this head."""
     rows = [r for r in bench["rows"] if r["head"] == kind.value]
+    domains = sorted({d for r in rows for d in r.get("tau_by_domain", {})})  # evaluation domains, per-prompt tau
     lines = [
         "## Acceptance (reference tree decoder, `python -m spec_plugins.acceptance_bench`)",
         "",
         f"{len(bench['prompts'])} evaluation prompts, <= {bench['max_new_tokens']} new tokens, greedy; "
         "tau = tokens emitted per verify step.",
         "",
-        "| (num_steps, topk, T) | tau | acceptance by depth | lossless |",
-        "|---|---|---|---|",
+        "| (num_steps, topk, T) | tau | acceptance by depth | lossless |" + "".join(f" tau {d} |" for d in domains),
+        "|---|---|---|---|" + "---|" * len(domains),
     ]
     for r in rows:
+        by_domain = r.get("tau_by_domain", {})
         lines.append(f"| ({r['num_steps']}, {r['topk']}, {r['num_draft_tokens']}) | {r['tau']:.2f} | "
-                     f"{' '.join(f'{x:.2f}' for x in r['accept_by_depth'])} | {'yes' if r['lossless'] else 'no'} |")
+                     f"{' '.join(f'{x:.2f}' for x in r['accept_by_depth'])} | {'yes' if r['lossless'] else 'no'} |"
+                     + "".join(f" {by_domain[d]:.2f} |" if d in by_domain else " - |" for d in domains))
     return lines + [""]
