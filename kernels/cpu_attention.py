@@ -49,12 +49,17 @@ def _library_path(compiler: str) -> Path:
     return cache_dir() / f"libspec_tree_attention_cpu_{digest.hexdigest()[:16]}.so"
 
 
+def find_compiler() -> str | None:
+    """The C compiler ``build`` uses by default: $CC, else cc or gcc on PATH (None: none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build(compiler: str | None = None) -> bool:
     """Compile (or reuse) and load the kernel; False, with ``build_error()``, when it cannot."""
     global _lib, _error
     if _lib is not None:
         return True
-    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = compiler or find_compiler()
     if compiler is None:
         _error = "no C compiler (cc, gcc or $CC) on PATH"
         return False

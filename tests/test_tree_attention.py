@@ -19,7 +19,6 @@ import copy
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -627,8 +626,8 @@ def test_plan_resolves_its_impl_like_every_op(monkeypatch):
 from spec_tree_kernels import cpu_attention  # noqa: E402
 
 # Skipped only where no compiler exists: where one does, a build error of ours fails the tests below.
-_HAS_CC = any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc"))
-needs_cc = pytest.mark.skipif(not _HAS_CC, reason="no host C compiler (cc, gcc or $CC) to build tree_attention_cpu.c")
+needs_cc = pytest.mark.skipif(cpu_attention.find_compiler() is None,
+                              reason="no host C compiler (cc, gcc or $CC) to build tree_attention_cpu.c")
 
 
 @pytest.fixture
