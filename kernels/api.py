@@ -8,11 +8,11 @@ runs one implementation:
   CPU tensors under ``TRITON_INTERPRET=1``);
 * ``impl="cuda"``   the CUDA C++ kernels in ``cuda_ops.py`` (JIT-built);
 * ``impl="cpu"``    tree attention only: the host C kernel of ``cpu_attention.py``
-  (built at engine startup by ``startup.prepare``); opt-in, e.g.
-  ``SPEC_TREE_KERNELS_IMPL=cpu`` (measured no faster than torch at one
-  request and slower at eight on a 2-core CPU: see cpu_attention);
+  (built at engine startup by ``startup.prepare``);
 * ``impl="auto"``   (default) the fastest available for the tensors' device:
-  see ``_AUTO_PREFERENCE``; the reference on CPU.
+  see ``_AUTO_PREFERENCE``; on CPU the reference, except tree attention,
+  which takes the host kernel once it is built (7x the torch path for one
+  request's 8 nodes over 400 positions on 2 cores).
 
 ``SPEC_TREE_KERNELS_IMPL`` overrides ``auto`` process-wide (``resolve_impl``,
 which tree attention honours too).
@@ -103,7 +103,7 @@ def resolve_impl(op: str, impl: str, device: torch.device) -> str:
         impl = "auto" if forced in IMPLS and forced not in accepted else forced
     if impl == "auto":
         if device.type != "cuda":
-            return "torch"  # the host attention kernel ("cpu") only when asked: see cpu_attention
+            return "cpu" if op == "attention" and device.type == "cpu" and cpu_attention_usable() else "torch"
         for choice in _AUTO_PREFERENCE[op]:
             if choice == "torch" or (choice == "triton" and triton_usable(device)) or (
                 choice == "cuda" and cuda_usable(device)

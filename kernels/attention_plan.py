@@ -100,11 +100,16 @@ class TreeAttentionPlan:
         return cls(impl, mode, batch, nodes, block_size, block_table, context_lens, kernel_mask(tree_mask, mode),
                    max_context_len)
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None):
-        """One layer: q [B, T, Hq, D], the layer's K/V views -> [B, T, Hq, D]."""
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None,
+            out: torch.Tensor | None = None):
+        """One layer: q [B, T, Hq, D], the layer's K/V views -> [B, T, Hq, D].
+        out: where the caller wants the result (the host kernel writes it
+        there when it is a contiguous float32 [B, T, Hq, D]); the returned
+        tensor is out only then."""
         self._check_layer(q, k_cache, v_cache)
         if self.impl == "cpu" and cpu_attention.supports(q, k_cache, v_cache):
-            return cpu_attention.run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]))
+            return cpu_attention.run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]),
+                                     out=out)
         if self.impl in ("torch", "cpu"):  # (a dtype the host kernel has no code for: the torch path)
             return _torch_run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]))
         return self._triton_run(q, k_cache, v_cache, scale)
@@ -143,7 +148,7 @@ def _torch_blocks_and_bias(block_table, context_lens, tree_mask, mode, nodes, bl
         used = block_table.shape[1]
     else:
         used = min(block_table.shape[1], -(-(max_context_len + nodes) // block_size))
-    blocks = block_table[:, :used].long()
+    blocks = block_table[:, :used].long().contiguous()  # the host kernel reads it as is, every layer
     allowed, _ = visible_positions(context_lens, tree_mask, mode, nodes, used * block_size)  # [B, T, S]
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
     bias.masked_fill_(~allowed, float("-inf"))

@@ -1,16 +1,15 @@
 """Tree attention rows on the host CPU: ``csrc/tree_attention_cpu.c``, built with the host C compiler.
 
 The torch path of ``attention_plan`` (gather the blocks, two batched
-matmuls, softmax) costs about 0.2 ms per layer for one request's 8 tree
-nodes on a 2-core CPU; this kernel reads the paged cache in place in one
-single-threaded call. It is opt-in (``impl="cpu"``, or
-``SPEC_TREE_KERNELS_IMPL=cpu`` for an engine): in vLLM-CPU on 2 cores it did
-not make the (5,4,8) tree faster at one request and made it slower at eight
-(torch's two threads beat one; results/2026-12-01/vllm_bench_v7_host_attention).
-``build()`` compiles it once (``cc -O3 -march=native``, cached by a digest of
-the source, flags and CPU) into the kernels' build cache, with a timeout;
-where no compiler works ``available()`` is false and ``build_error()`` says
-why. The engine adapters build it at startup, never in a step, and refuse
+matmuls, softmax) costs about 0.3 ms per layer for one request's 8 tree
+nodes over 400 positions on a 2-core CPU; this kernel reads the paged cache
+in place, ROWS query rows per K/V load, on the process's OpenMP threads.
+``build()`` compiles it once (``cc -O3 -march=native``, plus ``-fopenmp``
+when the process already runs GNU OpenMP's ``libgomp.so.1``, as torch's
+Linux wheels do, so the kernel joins that one thread pool instead of
+starting a second runtime; cached by a digest of the source, flags and
+CPU) into the kernels' build cache, with a timeout; where no compiler
+works ``available()`` is false and ``build_error()`` says why. The engine adapters build it at startup, never in a step, and refuse
 to start when it is asked for and did not build.
 """
 
@@ -28,6 +27,7 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "tree_attention_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+OPENMP_FLAG = "-fopenmp"
 BUILD_TIMEOUT_S = 120
 
 _lib = None
@@ -42,10 +42,23 @@ def _cpu_signature() -> str:
     return platform.machine() + hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
-def _library_path(compiler: str) -> Path:
+def _process_runs_libgomp() -> bool:
+    """GNU OpenMP is loaded here (torch's ``libgomp.so.1``): a kernel built with
+    -fopenmp then binds to that same runtime by soname."""
+    try:
+        return "/libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def _flags() -> list[str]:
+    return [*FLAGS, OPENMP_FLAG] if _process_runs_libgomp() else list(FLAGS)
+
+
+def _library_path(compiler: str, flags: list[str]) -> Path:
     from .cuda_build import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, _cpu_signature()]).encode())
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags, _cpu_signature()]).encode())
     return cache_dir() / f"libspec_tree_attention_cpu_{digest.hexdigest()[:16]}.so"
 
 
@@ -64,10 +77,11 @@ def build(compiler: str | None = None) -> bool:
         _error = "no C compiler (cc, gcc or $CC) on PATH"
         return False
     try:
-        library = _library_path(compiler)
+        flags = _flags()
+        library = _library_path(compiler, flags)
         if not library.exists():
             tmp = library.with_suffix(f".{os.getpid()}.tmp")
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True,
                            text=True, timeout=BUILD_TIMEOUT_S)
             os.replace(tmp, library)  # atomic: a concurrent builder never loads a half-written file
         lib = ctypes.CDLL(str(library))
@@ -79,8 +93,13 @@ def build(compiler: str | None = None) -> bool:
     lib.spec_tree_attention_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, i64,
                                             i64, i64, i64, i64, ptr, i64, ptr, f32, ptr, ptr]
     lib.spec_tree_attention_f32.restype = None
-    lib.spec_tree_attention_workspace.argtypes = [i64, i64, i64, i64]
+    lib.spec_tree_attention_workspace.argtypes = [i64, i64, i64]
     lib.spec_tree_attention_workspace.restype = i64
+    lib.spec_branch_attention_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64,
+                                              i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, f32, ptr, ptr]
+    lib.spec_branch_attention_f32.restype = None
+    lib.spec_branch_attention_workspace.argtypes = [i64, i64, i64, i64]
+    lib.spec_branch_attention_workspace.restype = i64
     _lib, _error = lib, None
     return True
 
@@ -99,22 +118,59 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 def run(blocks: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        scale: float) -> torch.Tensor:
+        scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """blocks [B, nb] int64, bias [B, 1, 1, T, nb * block_size] float32 (the
     torch plan's), q [B, T, Hq, D], K/V views [num_blocks, block_size, Hkv, D]
-    -> [B, T, Hq, D] float32 (``supports`` must hold)."""
+    -> [B, T, Hq, D] float32 (``supports`` must hold): ``out`` when it is a
+    contiguous float32 tensor of that shape, else a new one."""
     batch, nodes, hq, dim = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     q = q.contiguous()
     blocks = blocks.to(torch.int64).contiguous()
     bias = bias.contiguous()
-    out = torch.empty_like(q)
+    if out is None or not (out.is_contiguous() and out.dtype == torch.float32 and out.shape == q.shape):
+        out = torch.empty_like(q)
     nb = blocks.shape[1]
-    work = torch.empty(_lib.spec_tree_attention_workspace(nodes, nb, block_size, dim), dtype=torch.float32)
+    work = torch.empty(_lib.spec_tree_attention_workspace(nb, block_size, dim), dtype=torch.float32)
 
     # data_ptr(): element [0, 0, 0, 0] of each view (storage offset included)
     _lib.spec_tree_attention_f32(q.data_ptr(), batch, nodes, hq, dim,
                                  k_cache.data_ptr(), *k_cache.stride(), v_cache.data_ptr(), *v_cache.stride(),
                                  k_cache.shape[0], hkv, block_size, blocks.data_ptr(), nb, bias.data_ptr(), float(scale),
                                  out.data_ptr(), work.data_ptr())
+    return out
+
+
+def branch_supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """``run_branch`` serves this draft layer: built, CPU, float32, and the
+    paged cache in vLLM-CPU's fp32 layout (K transposed per block, V
+    row-major) with block size and head dim multiples of 16."""
+    block_size, dim = k_cache.shape[1], k_cache.shape[3]
+    return (supports(query, k_cache, v_cache) and k_cache.stride(1) == 1 and v_cache.stride(3) == 1
+            and block_size % 16 == 0 and dim % 16 == 0)
+
+
+def run_branch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+               kv_lens: torch.Tensor, branch_k: torch.Tensor, branch_v: torch.Tensor, filled: int,
+               visible: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """One tree-drafting step (``BranchAttention``): query [R, K, Hq, D]; the
+    head layer's paged K/V views (``branch_supports``); blocks [R, nb] int64
+    with kv_lens [R] int64 <= nb * block_size committed positions; branch_k /
+    branch_v [R, E, Hkv, D] contiguous scratch, the first ``filled`` entries
+    written; visible [R, K, filled] bool (ancestors and self). Writes and
+    returns out [R, K, Hq, D] contiguous float32."""
+    R, K, hq, dim = query.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    query = query.contiguous()
+    blocks = blocks.to(torch.int64).contiguous()
+    kv_lens = kv_lens.to(torch.int64).contiguous()
+    visible = visible.to(torch.uint8).contiguous()
+    nb, entries = blocks.shape[1], branch_k.shape[1]
+    work = torch.empty(_lib.spec_branch_attention_workspace(nb, block_size, entries, dim), dtype=torch.float32)
+    _lib.spec_branch_attention_f32(query.data_ptr(), R, K, hq, dim,
+                                   k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(2), k_cache.stride(3),
+                                   v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                                   k_cache.shape[0], hkv, block_size, blocks.data_ptr(), nb, kv_lens.data_ptr(),
+                                   branch_k.data_ptr(), branch_v.data_ptr(), entries, filled, visible.data_ptr(),
+                                   float(scale), out.data_ptr(), work.data_ptr())
     return out

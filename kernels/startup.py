@@ -6,8 +6,9 @@ the build runs in a killable child behind an owner-PID lock,
 ``cuda_build_guard``), so no compile runs on the first decode step under the
 engine's watchdogs; when the toolchain is missing or the build fails or times
 out, it logs why and ``impl="auto"`` uses Triton for build / verify / KV move
-instead. On the host CPU it builds tree attention's opt-in C kernel
-(``cpu_attention``): a failure is an error only when it was asked for.
+instead. On the host CPU it builds tree attention's C kernel
+(``cpu_attention``, what ``auto`` then uses): a failure leaves the torch path
+and is an error only when the kernel was asked for.
 """
 
 from __future__ import annotations

@@ -14,52 +14,278 @@
  *   q      [B, T, Hq, D] contiguous float32
  *   k, v   views [num_blocks, block_size, Hkv, D] with strides k_s* / v_s*
  *          (vLLM-CPU fp32: K transposed per block and head, k_stok == 1;
- *          V row-major, v_sdim == 1: the fast loops below)
+ *          V row-major, v_sdim == 1: the vectorized loops below)
  *   blocks [B, nb] int64 cache block of each request's j-th block; an id
  *          outside [0, num_blocks) (padding) is never read: its positions
  *          are masked
- * Positions the bias masks are never read either (their slots may hold
- * garbage, even NaN: 0 * NaN would poison a sum).
+ * Positions the bias masks are never read into the output either (their
+ * slots may hold garbage, even NaN: 0 * NaN would poison a sum), and
+ * positions past a request's last visible one are not read at all.
  *   bias   [B, T, nb * block_size] contiguous float32 (0 / -inf)
  *   out    [B, T, Hq, D] contiguous float32
- *   work   scratch of spec_tree_attention_workspace(T, nb, block_size, D) floats
+ *   work   scratch of spec_tree_attention_workspace(nb, block_size, D) floats
  *
- * Single-threaded on purpose: the engine's own threads run the model, and a
- * second OpenMP runtime in the process would fight their thread binding.
- * Build: cc -O3 -march=native -shared -fPIC (kernels/cpu_attention.py).
+ * Work split: one unit is ROWS query rows (node-major (t, g) pairs of one KV
+ * head's GQA group) of one request, so each K/V vector loaded serves ROWS
+ * rows from registers; units run on the process's OpenMP threads (built with
+ * -fopenmp against libgomp.so.1, the runtime torch already loaded: one thread
+ * pool, the engine's thread binding), or serially where OpenMP did not build.
+ * Build: cc -O3 -march=native -fopenmp -shared -fPIC (kernels/cpu_attention.py).
  */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define LANES 16  /* floats per register block (one AVX-512 vector, two AVX2 ones) */
+#define ROWS 8    /* query rows per unit: ROWS accumulators + one K load fit the registers */
+#define PV_ROWS 4 /* rows per probs . V pass: PV_ROWS x 4 accumulators + 4 V loads */
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));  /* GCC/Clang vector extension */
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 static inline vec load(const float *p) { vec x; memcpy(&x, p, sizeof x); return x; }  /* unaligned */
 static inline void store(float *p, vec x) { memcpy(p, &x, sizeof x); }
+static inline vec splat(float x) { return (vec){0} + x; }
 
-/* exp(x) for x <= 0 (softmax after the max is subtracted), relative error
- * about 2e-7; x < -87 (masked positions: -inf) gives exactly 0. Branch-free
- * (selects) so the loops that call it vectorize. */
-static inline float exp_nonpositive(float x_in) {
-    const float x = x_in < -87.0f ? -87.0f : x_in;
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    const float r = fmaf(n, -0.693145751953125f, fmaf(n, -1.428606765330187e-06f, x));
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    union { float f; int32_t i; } scale2n;
-    scale2n.i = ((int32_t)n + 127) << 23;
-    return x_in < -87.0f ? 0.0f : p * scale2n.f;
+static int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
 }
 
-int64_t spec_tree_attention_workspace(int64_t T, int64_t nb, int64_t block_size, int64_t D) {
-    return T * nb * block_size + T * D + T * D;
+static int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* exp(x) for x <= 0 (softmax after the max is subtracted), LANES at a time,
+ * relative error about 2e-7; x < -87 (masked positions: -inf) gives exactly 0.
+ * Round-to-nearest by the 1.5 * 2^23 trick, 2^n by building the exponent bits. */
+static inline vec exp_nonpositive(vec x_in) {
+    const ivec keep = x_in >= splat(-87.0f);
+    const vec x = (vec)(((ivec)x_in & keep) | ((ivec)splat(-87.0f) & ~keep));
+    const vec shifter = splat(12582912.0f);
+    const vec n = (x * 1.44269504088896341f + shifter) - shifter;
+    const vec r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    vec p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * r) * r + r + 1.0f;
+    const ivec two_n = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return (vec)((ivec)(p * (vec)two_n) & keep);
+}
+
+static inline float hmax(vec x) {
+    float m = x[0];
+    for (int l = 1; l < LANES; ++l) m = x[l] > m ? x[l] : m;
+    return m;
+}
+
+static inline float hsum(vec x) {
+    float s = 0.0f;
+    for (int l = 0; l < LANES; ++l) s += x[l];
+    return s;
+}
+
+int64_t spec_tree_attention_workspace(int64_t nb, int64_t block_size, int64_t D) {
+    return (int64_t)max_threads() * (ROWS * nb * block_size + ROWS * D);
+}
+
+/* The positions a request's rows can see end before this (bias -inf from there on). */
+static int64_t visible_span(const float *bias_b, int64_t T, int64_t S) {
+    int64_t span = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *bi = bias_b + t * S;
+        int64_t s = S;
+        while (s > span && bi[s - 1] == -INFINITY) --s;
+        span = s > span ? s : span;
+    }
+    return span;
+}
+
+/* scores[r, s] = qs[r] . K[s] for ROWS rows over the first `span` positions
+ * (rounded up to LANES); K transposed per block (k_stok == 1), block_size % LANES == 0. */
+static void scores_vectorized(const float *qs, int64_t D, const float *k, int64_t k_sblk, int64_t k_shead,
+                              int64_t k_sdim, int64_t kh, const int64_t *blocks_b, int64_t num_blocks,
+                              int64_t block_size, int64_t span, int64_t S, float *scores) {
+    for (int64_t j = 0; j * block_size < span; ++j) {
+        const int64_t blk = blocks_b[j];
+        const int64_t end = span - j * block_size < block_size ? span - j * block_size : block_size;
+        if (blk < 0 || blk >= num_blocks) {
+            for (int r = 0; r < ROWS; ++r)
+                for (int64_t i = 0; i < block_size; ++i) scores[r * S + j * block_size + i] = -INFINITY;
+            continue;
+        }
+        const float *kb = k + blk * k_sblk + kh * k_shead;
+        for (int64_t i0 = 0; i0 < end; i0 += LANES) {
+            vec acc[ROWS] = {{0}};
+            for (int64_t d = 0; d < D; ++d) {
+                const vec kv = load(kb + d * k_sdim + i0);
+                for (int r = 0; r < ROWS; ++r) acc[r] += qs[r * D + d] * kv;
+            }
+            for (int r = 0; r < ROWS; ++r) store(scores + r * S + j * block_size + i0, acc[r]);
+        }
+    }
+}
+
+/* The same for any strides (scalar). */
+static void scores_generic(const float *qs, int64_t D, const float *k, int64_t k_sblk, int64_t k_stok,
+                           int64_t k_shead, int64_t k_sdim, int64_t kh, const int64_t *blocks_b,
+                           int64_t num_blocks, int64_t block_size, int64_t span, int64_t S, float *scores) {
+    for (int64_t s = 0; s < span; ++s) {
+        const int64_t blk = blocks_b[s / block_size];
+        if (blk < 0 || blk >= num_blocks) {
+            for (int r = 0; r < ROWS; ++r) scores[r * S + s] = -INFINITY;
+            continue;
+        }
+        const float *ks = k + blk * k_sblk + (s % block_size) * k_stok + kh * k_shead;
+        for (int r = 0; r < ROWS; ++r) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < D; ++d) dot = fmaf(qs[r * D + d], ks[d * k_sdim], dot);
+            scores[r * S + s] = dot;
+        }
+    }
+}
+
+/* scores -> unnormalized probabilities in place over [0, padded); returns 1 / sum.
+ * A masked position is -inf whatever its slot held (NaN included), so exp gives 0. */
+static float softmax_row(float *sc, const float *bi, int64_t padded) {
+    const vec neg_inf = splat(-INFINITY);
+    vec m = neg_inf;
+    for (int64_t s = 0; s < padded; s += LANES) {
+        const vec b = load(bi + s);
+        const ivec masked = b == neg_inf;
+        const vec x = (vec)(((ivec)(load(sc + s) + b) & ~masked) | ((ivec)neg_inf & masked));
+        store(sc + s, x);
+        m = (vec)(((ivec)x & (x > m)) | ((ivec)m & ~(x > m)));
+    }
+    const float row_max = hmax(m);
+    vec sum = {0};
+    for (int64_t s = 0; s < padded; s += LANES) {
+        const vec e = exp_nonpositive(load(sc + s) - row_max);
+        store(sc + s, e);
+        sum += e;
+    }
+    return 1.0f / hsum(sum);
+}
+
+static float softmax_row_generic(float *sc, const float *bi, int64_t span) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t s = 0; s < span; ++s) {
+        sc[s] = bi[s] == -INFINITY ? -INFINITY : sc[s] + bi[s];
+        m = sc[s] > m ? sc[s] : m;
+    }
+    for (int64_t s = 0; s < span; ++s) {
+        sc[s] = sc[s] == -INFINITY ? 0.0f : expf(sc[s] - m);
+        sum += sc[s];
+    }
+    return 1.0f / sum;
+}
+
+/* Dense K/V rows after the paged positions (the tree drafter's branch entries):
+ * entry e of a request at base + e * stride, head kh at + kh * head_stride, D contiguous;
+ * their probabilities sit at probs[r * S + offset + e]. count 0: none. */
+struct extra_kv {
+    const float *base;
+    int64_t count, stride, head_stride, offset;
+};
+
+/* out rows = (probs . V) * inv for PV_ROWS rows, NV * LANES dims from d0; V row-major (v_sdim == 1). */
+static inline __attribute__((always_inline)) void values_vectorized(
+    const float *probs, int64_t S, const float *inv, const float *v, int64_t v_sblk, int64_t v_stok,
+    int64_t v_shead, int64_t kh, const int64_t *blocks_b, int64_t num_blocks, int64_t block_size, int64_t span,
+    struct extra_kv extra, int64_t d0, const int nv, float *const *out_rows) {
+    vec acc[PV_ROWS][4] = {{{0}}};
+    for (int64_t j = 0; j * block_size < span; ++j) {
+        const int64_t blk = blocks_b[j];
+        if (blk < 0 || blk >= num_blocks) continue;
+        const float *vb = v + blk * v_sblk + kh * v_shead + d0;
+        const int64_t end = span - j * block_size < block_size ? span - j * block_size : block_size;
+        for (int64_t i = 0; i < end; ++i) {
+            const float *vi = vb + i * v_stok;
+            vec vv[4];
+            for (int c = 0; c < nv; ++c) vv[c] = load(vi + c * LANES);
+            for (int r = 0; r < PV_ROWS; ++r) {
+                const float p = probs[r * S + j * block_size + i];
+                if (p == 0.0f) continue;  /* masked: never 0 * whatever the slot holds */
+                for (int c = 0; c < nv; ++c) acc[r][c] += p * vv[c];
+            }
+        }
+    }
+    for (int64_t e = 0; e < extra.count; ++e) {
+        const float *ve = extra.base + e * extra.stride + kh * extra.head_stride + d0;
+        for (int r = 0; r < PV_ROWS; ++r) {
+            const float p = probs[r * S + extra.offset + e];
+            if (p == 0.0f) continue;
+            for (int c = 0; c < nv; ++c) acc[r][c] += p * load(ve + c * LANES);
+        }
+    }
+    for (int r = 0; r < PV_ROWS; ++r)
+        if (out_rows[r])
+            for (int c = 0; c < nv; ++c) store(out_rows[r] + d0 + c * LANES, acc[r][c] * inv[r]);
+}
+
+/* values_vectorized over all ROWS rows and D dims (D % LANES == 0). */
+static void values_rows(const float *probs, int64_t S, const float *inv, const float *v, int64_t v_sblk,
+                        int64_t v_stok, int64_t v_shead, int64_t kh, const int64_t *blocks_b, int64_t num_blocks,
+                        int64_t block_size, int64_t span, struct extra_kv extra, int64_t D, float *const *out_rows) {
+    for (int r0 = 0; r0 < ROWS; r0 += PV_ROWS)
+        for (int64_t d0 = 0; d0 < D; d0 += (D % (4 * LANES) == 0 ? 4 : 1) * LANES) {
+            if (D % (4 * LANES) == 0)
+                values_vectorized(probs + r0 * S, S, inv + r0, v, v_sblk, v_stok, v_shead, kh, blocks_b, num_blocks,
+                                  block_size, span, extra, d0, 4, out_rows + r0);
+            else
+                values_vectorized(probs + r0 * S, S, inv + r0, v, v_sblk, v_stok, v_shead, kh, blocks_b, num_blocks,
+                                  block_size, span, extra, d0, 1, out_rows + r0);
+        }
+}
+
+static void values_generic(const float *probs, int64_t S, const float *inv, const float *v, int64_t v_sblk,
+                           int64_t v_stok, int64_t v_shead, int64_t v_sdim, int64_t kh, const int64_t *blocks_b,
+                           int64_t num_blocks, int64_t block_size, int64_t span, int64_t D, float *const *out_rows) {
+    for (int r = 0; r < ROWS; ++r) {
+        if (!out_rows[r]) continue;
+        float *o = out_rows[r];
+        memset(o, 0, sizeof(float) * D);
+        for (int64_t s = 0; s < span; ++s) {
+            const float p = probs[r * S + s];
+            const int64_t blk = blocks_b[s / block_size];
+            if (p == 0.0f || blk < 0 || blk >= num_blocks) continue;
+            const float *vs = v + blk * v_sblk + (s % block_size) * v_stok + kh * v_shead;
+            for (int64_t d = 0; d < D; ++d) o[d] = fmaf(p, vs[d * v_sdim], o[d]);
+        }
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv[r];
+    }
+}
+
+/* One unit's ROWS query rows, node-major: row m0 + r is node (m0 + r) / group of
+ * request b, query head kh * group + (m0 + r) % group. Scaled queries to qs
+ * [ROWS, D] (zero for padding rows past the T * group real ones) and each row's
+ * output row (NULL for padding). q and out [B, T, Hq, D] contiguous. */
+static void load_unit_rows(const float *q, int64_t b, int64_t T, int64_t Hq, int64_t D, int64_t kh, int64_t group,
+                           int64_t m0, float scale, float *qs, float *out, float **out_rows) {
+    for (int r = 0; r < ROWS; ++r) {
+        const int64_t m = m0 + r;
+        if (m < T * group) {
+            const int64_t row = (b * T + m / group) * Hq + kh * group + m % group;
+            for (int64_t d = 0; d < D; ++d) qs[r * D + d] = scale * q[row * D + d];
+            out_rows[r] = out + row * D;
+        } else {
+            memset(qs + r * D, 0, sizeof(float) * D);
+            out_rows[r] = NULL;
+        }
+    }
 }
 
 void spec_tree_attention_f32(const float *q, int64_t B, int64_t T, int64_t Hq, int64_t D,
@@ -69,101 +295,121 @@ void spec_tree_attention_f32(const float *q, int64_t B, int64_t T, int64_t Hq, i
                              const float *bias, float scale, float *out, float *work) {
     const int64_t S = nb * block_size;
     const int64_t group = Hq / Hkv;
-    float *scores = work;              /* [T, S] */
-    float *qs = work + T * S;          /* [T, D] scaled queries of one head */
-    float *acc = qs + T * D;           /* [T, D] */
-    for (int64_t b = 0; b < B; ++b) {
-        for (int64_t h = 0; h < Hq; ++h) {
-            const int64_t kh = h / group;
-            for (int64_t t = 0; t < T; ++t)
-                for (int64_t d = 0; d < D; ++d)
-                    qs[t * D + d] = scale * q[((b * T + t) * Hq + h) * D + d];
-            /* scores = qs . K^T, block by block */
-            for (int64_t j = 0; j < nb; ++j) {
-                const int64_t blk = blocks[b * nb + j];
-                if (blk < 0 || blk >= num_blocks) {
-                    for (int64_t t = 0; t < T; ++t)
-                        for (int64_t i = 0; i < block_size; ++i) scores[t * S + j * block_size + i] = -INFINITY;
-                    continue;
-                }
-                const float *kb = k + blk * k_sblk + kh * k_shead;
-                if (k_stok == 1 && block_size % LANES == 0) {
-                    /* LANES positions per register, summed over d: one load and one FMA per step */
-                    for (int64_t t = 0; t < T; ++t) {
-                        const float *qt = qs + t * D;
-                        float *sc = scores + t * S + j * block_size;
-                        for (int64_t i0 = 0; i0 < block_size; i0 += LANES) {
-                            vec a = {0};
-                            for (int64_t d = 0; d < D; ++d) a += qt[d] * load(kb + d * k_sdim + i0);
-                            store(sc + i0, a);
-                        }
-                    }
-                } else {
-                    for (int64_t i = 0; i < block_size; ++i) {
-                        const float *ki = kb + i * k_stok;
-                        for (int64_t t = 0; t < T; ++t) {
-                            float dot = 0.0f;
-                            for (int64_t d = 0; d < D; ++d) dot = fmaf(qs[t * D + d], ki[d * k_sdim], dot);
-                            scores[t * S + j * block_size + i] = dot;
-                        }
-                    }
-                }
-            }
-            /* softmax over each node's visible positions */
-            for (int64_t t = 0; t < T; ++t) {
-                float *sc = scores + t * S;
-                const float *bi = bias + (b * T + t) * S;
-                float m = -INFINITY;
-                for (int64_t s = 0; s < S; ++s) {
-                    sc[s] = bi[s] == -INFINITY ? -INFINITY : sc[s] + bi[s];  /* masked: whatever the slot held */
-                    m = sc[s] > m ? sc[s] : m;
-                }
-                float sum = 0.0f;
-                for (int64_t s = 0; s < S; ++s) {
-                    const float e = exp_nonpositive(sc[s] - m);
-                    sc[s] = e;
-                    sum += e;
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t s = 0; s < S; ++s) sc[s] *= inv;
-            }
-            /* acc = probs . V */
-            if (v_sdim == 1 && D % LANES == 0) {
-                /* LANES dims per register, summed over the positions */
-                for (int64_t t = 0; t < T; ++t) {
-                    const float *pt = scores + t * S;
-                    for (int64_t d0 = 0; d0 < D; d0 += LANES) {
-                        vec a = {0};
-                        for (int64_t j = 0; j < nb; ++j) {
-                            const int64_t blk = blocks[b * nb + j];
-                            if (blk < 0 || blk >= num_blocks) continue;
-                            const float *vb = v + blk * v_sblk + kh * v_shead + d0;
-                            const float *pj = pt + j * block_size;
-                            for (int64_t i = 0; i < block_size; ++i)
-                                if (pj[i] != 0.0f) a += pj[i] * load(vb + i * v_stok);
-                        }
-                        store(acc + t * D + d0, a);
-                    }
-                }
-            } else {
-                memset(acc, 0, sizeof(float) * T * D);
-                for (int64_t j = 0; j < nb; ++j) {
-                    const int64_t blk = blocks[b * nb + j];
-                    if (blk < 0 || blk >= num_blocks) continue;
-                    const float *vb = v + blk * v_sblk + kh * v_shead;
-                    for (int64_t i = 0; i < block_size; ++i) {
-                        const float *vi = vb + i * v_stok;
-                        for (int64_t t = 0; t < T; ++t) {
-                            const float p = scores[t * S + j * block_size + i];
-                            if (p == 0.0f) continue;
-                            float *a = acc + t * D;
-                            for (int64_t d = 0; d < D; ++d) a[d] = fmaf(p, vi[d * v_sdim], a[d]);
-                        }
-                    }
-                }
-            }
-            for (int64_t t = 0; t < T; ++t)
-                memcpy(out + ((b * T + t) * Hq + h) * D, acc + t * D, sizeof(float) * D);
+    const int64_t rows = T * group;  /* per (request, KV head): row m is node m / group, head kh * group + m % group */
+    const int64_t tiles = (rows + ROWS - 1) / ROWS;
+    const int64_t units = B * Hkv * tiles;
+    const int64_t per_thread = ROWS * S + ROWS * D;
+    const int fast_k = k_stok == 1 && block_size % LANES == 0;
+    const int fast_v = v_sdim == 1 && D % LANES == 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t b = u / (Hkv * tiles), kh = (u / tiles) % Hkv, m0 = (u % tiles) * ROWS;
+        float *scores = work + thread_id() * per_thread; /* [ROWS, S] */
+        float *qs = scores + ROWS * S;                    /* [ROWS, D] scaled queries, zero past the last row */
+        float *out_rows[ROWS];
+        load_unit_rows(q, b, T, Hq, D, kh, group, m0, scale, qs, out, out_rows);
+        const float *bias_rows[ROWS];
+        for (int r = 0; r < ROWS; ++r)  /* a padding row takes the first node's mask: finite, never written */
+            bias_rows[r] = bias + (b * T + (m0 + r < rows ? (m0 + r) / group : 0)) * S;
+        const int64_t span = visible_span(bias + b * T * S, T, S);
+        const int64_t padded = (span + LANES - 1) / LANES * LANES;  /* <= S when block_size % LANES == 0 */
+        const int vector_rows = fast_k && fast_v && padded <= S;
+        if (span == 0) {  /* nothing visible (no real request): zeros, as the torch path's uniform 0 * V */
+            for (int r = 0; r < ROWS; ++r)
+                if (out_rows[r]) memset(out_rows[r], 0, sizeof(float) * D);
+            continue;
         }
+        if (vector_rows)
+            scores_vectorized(qs, D, k, k_sblk, k_shead, k_sdim, kh, blocks + b * nb, num_blocks, block_size, span,
+                              S, scores);
+        else
+            scores_generic(qs, D, k, k_sblk, k_stok, k_shead, k_sdim, kh, blocks + b * nb, num_blocks, block_size,
+                           span, S, scores);
+        float inv[ROWS];
+        for (int r = 0; r < ROWS; ++r)
+            inv[r] = vector_rows ? softmax_row(scores + r * S, bias_rows[r], padded)
+                                 : softmax_row_generic(scores + r * S, bias_rows[r], span);
+        if (vector_rows) {
+            const struct extra_kv none = {0};
+            values_rows(scores, S, inv, v, v_sblk, v_stok, v_shead, kh, blocks + b * nb, num_blocks, block_size, span,
+                        none, D, out_rows);
+        } else {
+            values_generic(scores, S, inv, v, v_sblk, v_stok, v_shead, v_sdim, kh, blocks + b * nb, num_blocks,
+                           block_size, span, D, out_rows);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ draft steps
+ *
+ * One tree-drafting step of the head (spec_plugins.vllm_ext.attention.BranchAttention):
+ * frontier node j of request r attends to the request's committed head KV
+ * (paged, positions [0, kv_lens[r])) and to the branch entries e < filled it
+ * descends from, itself included (visible[r, j, e]), which live in a dense
+ * scratch instead of the paged cache.
+ *
+ *   q        [R, K, Hq, D] contiguous float32 (K frontier nodes per request)
+ *   k, v     the head layer's paged views, vectorized layout only (k_stok == 1,
+ *            v_sdim == 1, block_size % LANES == 0, D % LANES == 0: the caller
+ *            checks, torch serves the rest)
+ *   blocks   [R, nb] int64; kv_lens [R] int64, each <= nb * block_size
+ *   bk, bv   [R, E, Hkv, D] contiguous float32 branch scratch, entries < filled written
+ *   visible  [R, K, filled] uint8 (bool)
+ *   out      [R, K, Hq, D] contiguous float32
+ *   work     spec_branch_attention_workspace(nb, block_size, E, D) floats
+ */
+
+int64_t spec_branch_attention_workspace(int64_t nb, int64_t block_size, int64_t E, int64_t D) {
+    const int64_t row = nb * block_size + (E + LANES - 1) / LANES * LANES;
+    return (int64_t)max_threads() * (2 * ROWS * row + ROWS * D);
+}
+
+void spec_branch_attention_f32(const float *q, int64_t R, int64_t K, int64_t Hq, int64_t D,
+                               const float *k, int64_t k_sblk, int64_t k_shead, int64_t k_sdim,
+                               const float *v, int64_t v_sblk, int64_t v_stok, int64_t v_shead,
+                               int64_t num_blocks, int64_t Hkv, int64_t block_size, const int64_t *blocks, int64_t nb,
+                               const int64_t *kv_lens, const float *bk, const float *bv, int64_t E, int64_t filled,
+                               const uint8_t *visible, float scale, float *out, float *work) {
+    const int64_t group = Hq / Hkv;
+    const int64_t rows = K * group;
+    const int64_t tiles = (rows + ROWS - 1) / ROWS;
+    const int64_t units = R * Hkv * tiles;
+    const int64_t S = nb * block_size + (E + LANES - 1) / LANES * LANES;  /* a score row: context, then branch */
+    const int64_t per_thread = 2 * ROWS * S + ROWS * D;
+    const vec neg_inf = splat(-INFINITY);
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t b = u / (Hkv * tiles), kh = (u / tiles) % Hkv, m0 = (u % tiles) * ROWS;
+        float *scores = work + thread_id() * per_thread; /* [ROWS, S] */
+        float *bias = scores + ROWS * S;                  /* [ROWS, S] 0 / -inf */
+        float *qs = bias + ROWS * S;                      /* [ROWS, D] */
+        float *out_rows[ROWS];
+        load_unit_rows(q, b, K, Hq, D, kh, group, m0, scale, qs, out, out_rows);
+        const int64_t ctx = kv_lens[b];
+        const int64_t ctx_pad = (ctx + LANES - 1) / LANES * LANES;
+        const int64_t total = ctx_pad + (filled + LANES - 1) / LANES * LANES;
+        scores_vectorized(qs, D, k, k_sblk, k_shead, k_sdim, kh, blocks + b * nb, num_blocks, block_size, ctx, S,
+                          scores);
+        const float *bk_b = bk + b * E * Hkv * D + kh * D;
+        for (int r = 0; r < ROWS; ++r) {
+            const int64_t node = m0 + r < rows ? (m0 + r) / group : 0;
+            const uint8_t *vis = visible + (b * K + node) * filled;
+            float *bi = bias + r * S;
+            for (int64_t s = 0; s < ctx_pad; s += LANES) store(bi + s, neg_inf);
+            memset(bi, 0, sizeof(float) * ctx);
+            for (int64_t s = ctx_pad; s < total; s += LANES) store(bi + s, neg_inf);
+            for (int64_t e = 0; e < filled; ++e) {
+                if (vis[e]) bi[ctx_pad + e] = 0.0f;
+                vec dot = {0};
+                for (int64_t d = 0; d < D; d += LANES)
+                    dot += load(qs + r * D + d) * load(bk_b + e * Hkv * D + d);
+                scores[r * S + ctx_pad + e] = hsum(dot);
+            }
+        }
+        float inv[ROWS];
+        for (int r = 0; r < ROWS; ++r) inv[r] = softmax_row(scores + r * S, bias + r * S, total);
+        const struct extra_kv branch = {bv + b * E * Hkv * D, filled, Hkv * D, D, ctx_pad};
+        values_rows(scores, S, inv, v, v_sblk, v_stok, v_shead, kh, blocks + b * nb, num_blocks, block_size, ctx,
+                    branch, D, out_rows);
     }
 }

@@ -22,7 +22,9 @@ KV in a scratch tensor, ancestor mask).
 
 Tree rows go through ``spec_tree_kernels.attention_plan.TreeAttentionPlan``:
 planned by the first layer of a step (per tree size), run by every layer;
-torch on CPU, the Triton kernels on CUDA (``TreeRowsMixin.tree_impl``).
+the host C kernel on CPU (torch where it did not build), the Triton kernels
+on CUDA (``TreeRowsMixin.tree_impl``). Draft steps take the host kernel too
+(``cpu_attention.run_branch``).
 
 KV views handed to the kernels are [num_blocks, block_size, Hkv, D]:
 CPU cache [num_blocks, Hkv, block_size, 2 * D] holds per block and head
@@ -53,12 +55,15 @@ class VerifyTrees:
     tree_mask in ``mode``'s layout for B_T trees of T nodes).
     max_context: host int >= every context length (sizes the torch plan).
     covers_batch: every query row of the step is a tree row.
+    first_rows: T -> first query row when the group's B_T * T rows are one
+    range in order (its queries and outputs are then views), else None.
     """
 
     mode: str
     groups: dict
     max_context: int = 0
     covers_batch: bool = False
+    first_rows: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)  # (block table, T, impl) -> (plan, rows), made by the first layer
 
     def plan(self, nodes: int, block_table: torch.Tensor, block_size: int, impl: str):
@@ -79,62 +84,96 @@ class BranchAttention:
     """Attention metadata of one tree-drafting step (R requests x K frontier nodes).
 
     Frontier node j of request r attends to the request's committed head KV
-    (``ctx_k_t`` [R, nb, Hkv, D, bs] / ``ctx_v`` [R, nb, Hkv, bs, D]: its first
-    nb paged cache blocks, gathered once per drafting by ``from_paged``;
-    positions >= its length masked by ``ctx_bias`` [R, 1, 1, nb * bs]) and to
-    the branch entries it descends from plus itself (``branch_k/branch_v``
-    [R, E, Hkv, D] scratch, E = (num_steps - 1) * K, filled K entries per level).
-    ``ancestors`` [R, K, filled] bool is set by the drafter before each level.
+    (the paged views ``k_cache`` / ``v_cache`` [num_blocks, block_size, Hkv, D],
+    its blocks ``blocks`` [R, nb] int64 covering ``kv_lens`` [R] int64
+    positions) and to the branch entries it descends from plus itself
+    (``branch_k/branch_v`` [R, E, Hkv, D] scratch, E = (num_steps - 1) * K,
+    filled K entries per level). ``ancestors`` [R, K, filled] bool is set by
+    the drafter before each level. ``host_kernel``: the host C kernel reads
+    the paged cache in place (``cpu_attention.run_branch``); otherwise torch
+    gathers the context blocks once per drafting (``_gathered_context``).
     """
 
-    ctx_k_t: torch.Tensor
-    ctx_v: torch.Tensor
-    ctx_bias: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    blocks: torch.Tensor
+    kv_lens: torch.Tensor
     branch_k: torch.Tensor
     branch_v: torch.Tensor
     scale: float
+    host_kernel: bool = False
     ancestors: torch.Tensor | None = None
     filled: int = 0
+    _context: tuple | None = None  # torch path: (ctx_k_t, ctx_v, ctx_bias), gathered on first use
 
     @classmethod
     def from_paged(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, block_rows: torch.Tensor,
-                   kv_lens: torch.Tensor, max_kv_len: int, branch_entries: int, scale: float) -> "BranchAttention":
+                   kv_lens: torch.Tensor, max_kv_len: int, branch_entries: int, scale: float,
+                   impl: str = "auto") -> "BranchAttention":
         """k_cache / v_cache: the head layer's paged K, V [num_blocks, block_size,
         Hkv, D]; block_rows [R, >= nb] its block table rows; kv_lens [R] int64
-        committed positions per request, max_kv_len a host bound on them."""
-        block_size = k_cache.shape[1]
-        num_blocks = -(-max_kv_len // block_size)
-        ctx_k_t, ctx_v = gather_blocks(k_cache, v_cache, block_rows[:, :num_blocks].long())
-        positions = torch.arange(num_blocks * block_size, device=kv_lens.device)
-        ctx_bias = torch.zeros(len(kv_lens), num_blocks * block_size, dtype=torch.float32, device=kv_lens.device)
-        ctx_bias.masked_fill_(positions[None] >= kv_lens[:, None], float("-inf"))
-        R, _, hkv, dim, _ = ctx_k_t.shape
+        committed positions per request, max_kv_len a host bound on them;
+        impl: tree attention's implementation (``spec_tree_kernels`` names)."""
+        from spec_tree_kernels import cpu_attention, resolve_impl
+
+        num_blocks = -(-max_kv_len // k_cache.shape[1])
+        R, hkv, dim = len(kv_lens), k_cache.shape[2], k_cache.shape[3]
         scratch = k_cache.new_empty(2, R, branch_entries, hkv, dim)
-        return cls(ctx_k_t=ctx_k_t, ctx_v=ctx_v, ctx_bias=ctx_bias[:, None, None], branch_k=scratch[0],
-                   branch_v=scratch[1], scale=scale)
+        host = (resolve_impl("attention", impl, k_cache.device) == "cpu"
+                and cpu_attention.branch_supports(k_cache, k_cache, v_cache))
+        return cls(k_cache=k_cache, v_cache=v_cache, blocks=block_rows[:, :num_blocks].long(), kv_lens=kv_lens,
+                   branch_k=scratch[0], branch_v=scratch[1], scale=scale, host_kernel=host)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor):
         """query [R*K, Hq, D], key/value [R*K, Hkv, D] (RoPE applied) -> output [R*K, Hq, D]."""
-        R, _, hkv, dim, _ = self.ctx_k_t.shape
-        K = self.ancestors.shape[1]
+        R, K = self.ancestors.shape[:2]
+        hkv, dim = self.branch_k.shape[2:]
         hq = query.shape[-2]
-        group = hq // hkv
         new = slice(self.filled, self.filled + K)
         self.branch_k[:, new] = key.view(R, K, hkv, dim).to(self.branch_k.dtype)
         self.branch_v[:, new] = value.view(R, K, hkv, dim).to(self.branch_v.dtype)
         self.filled += K
+        visible = torch.cat([self.ancestors, torch.eye(K, dtype=torch.bool, device=query.device).expand(R, K, K)], -1)
+        if self.host_kernel:
+            from spec_tree_kernels import cpu_attention
+
+            dst = output.view(R, K, hq, dim)
+            direct = dst.is_contiguous() and dst.dtype == torch.float32
+            out = cpu_attention.run_branch(query.view(R, K, hq, dim), self.k_cache, self.v_cache, self.blocks,
+                                           self.kv_lens, self.branch_k, self.branch_v, self.filled, visible,
+                                           self.scale, dst if direct else torch.empty(R, K, hq, dim))
+            if not direct:
+                dst.copy_(out)
+            return output
+        return self._attend_torch(query, visible, output)
+
+    def _gathered_context(self):
+        if self._context is None:
+            ctx_k_t, ctx_v = gather_blocks(self.k_cache, self.v_cache, self.blocks)
+            positions = torch.arange(ctx_k_t.shape[1] * ctx_k_t.shape[-1], device=self.kv_lens.device)
+            ctx_bias = torch.zeros(len(self.kv_lens), positions.shape[0], dtype=torch.float32,
+                                   device=self.kv_lens.device)
+            ctx_bias.masked_fill_(positions[None] >= self.kv_lens[:, None], float("-inf"))
+            self._context = ctx_k_t, ctx_v, ctx_bias[:, None, None]
+        return self._context
+
+    def _attend_torch(self, query: torch.Tensor, visible: torch.Tensor, output: torch.Tensor):
+        ctx_k_t, ctx_v, ctx_bias = self._gathered_context()
+        R, _, hkv, dim, _ = ctx_k_t.shape
+        K = self.ancestors.shape[1]
+        hq = query.shape[-2]
+        group = hq // hkv
         # query rows per KV head, ordered (g, j): [R, Hkv, G*K, D]
         q = query.view(R, K, hkv, group, dim).float().permute(0, 2, 3, 1, 4).reshape(R, hkv, group * K, dim)
         q = q * self.scale
-        s_ctx = scores_over_blocks(q, self.ctx_k_t).add_(self.ctx_bias)  # [R, Hkv, G*K, L]
+        s_ctx = scores_over_blocks(q, ctx_k_t).add_(ctx_bias)  # [R, Hkv, G*K, L]
         bk = self.branch_k[:, : self.filled].float().permute(0, 2, 3, 1)  # [R, Hkv, D, filled]
         bv = self.branch_v[:, : self.filled].float().permute(0, 2, 1, 3)  # [R, Hkv, filled, D]
-        visible = torch.cat([self.ancestors, torch.eye(K, dtype=torch.bool, device=q.device).expand(R, K, K)], -1)
         s_br = torch.matmul(q, bk).view(R, hkv, group, K, self.filled)
         s_br.masked_fill_(~visible[:, None, None], float("-inf"))
         probs = torch.softmax(torch.cat([s_ctx, s_br.view(R, hkv, group * K, self.filled)], -1), dim=-1)
         L = s_ctx.shape[-1]
-        out = values_over_blocks(probs[..., :L], self.ctx_v) + torch.matmul(probs[..., L:], bv)  # [R, Hkv, G*K, D]
+        out = values_over_blocks(probs[..., :L], ctx_v) + torch.matmul(probs[..., L:], bv)  # [R, Hkv, G*K, D]
         output.view(R, K, hq, -1).copy_(out.view(R, hkv, group, K, dim).permute(0, 3, 1, 2, 4).reshape(R, K, hq, dim))
         return output
 
@@ -162,6 +201,14 @@ def compute_tree_rows(trees: VerifyTrees, query, output, k_view, v_view, block_t
     q_all = query.view(query.shape[0], num_heads, head_size)
     for nodes in trees.groups:
         plan, rows = trees.plan(nodes, block_table, k_view.shape[1], impl)
+        first = trees.first_rows.get(nodes)
+        if first is not None:  # one range of rows: read and write views, no gather or scatter
+            span = slice(first, first + rows.numel())
+            dst = out[span].view(-1, nodes, num_heads, head_size)
+            res = plan.run(q_all[span].view(-1, nodes, num_heads, head_size), k_view, v_view, scale, out=dst)
+            if res is not dst:
+                dst.copy_(res)
+            continue
         res = plan.run(q_all[rows], k_view, v_view, scale)  # q_all[rows]: [B_T, T, Hq, D]
         out[rows.flatten()] = res.reshape(-1, num_heads, head_size).to(out.dtype)
 

@@ -70,7 +70,7 @@ def _cpu_key_strides(isa: str, dtype: torch.dtype, block_size: int, head_size: i
 
 
 class TreeCPUAttentionImpl(TreeRowsMixin, CPUAttentionBackendImpl):
-    tree_impl = "auto"  # torch; the host C kernel with SPEC_TREE_KERNELS_IMPL=cpu (built at worker startup)
+    tree_impl = "auto"  # the host C kernel (built at worker startup), torch where it did not build
 
     def kv_views(self, layer, kv_cache):
         return cpu_kv_views(kv_cache, layer.isa)

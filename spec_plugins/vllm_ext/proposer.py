@@ -102,7 +102,8 @@ class TreeDrafter:
 
     def _branch_attention(self, kv_lens, max_kv_len: int, block_rows, kv_views, branch_entries: int):
         impl = self.runner.compilation_config.static_forward_context[self.layer_name].impl
-        return BranchAttention.from_paged(*kv_views, block_rows, kv_lens, max_kv_len, branch_entries, impl.scale)
+        return BranchAttention.from_paged(*kv_views, block_rows, kv_lens, max_kv_len, branch_entries, impl.scale,
+                                          impl=impl.tree_impl)
 
 
 def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:

@@ -80,6 +80,7 @@ class TreeGroup:
     top1: list  # host copy: [B][T] the node is its parent's most likely child (DraftTrees.top1)
     all_chains: bool  # every tree of the group is a chain (causal: no tree mask needed)
     host_context_lens: torch.Tensor  # [B] int64 host copy of context_lens
+    first_row: int | None  # the group's B*T query rows are first_row, first_row + 1, ... in order (None: not)
     sampled: list = field(default_factory=list)  # indices (into rows) of requests that sample (temperature > 0)
     predict: torch.Tensor | None = None  # [B, T] int64 token after each node (the extend's input), after the walk
 
@@ -306,6 +307,7 @@ class TreeRunnerMixin:
                             g.build.tree_mask) for T, g in branching.items()},
                 max_context=max((g.max_context for g in branching.values()), default=0),
                 covers_batch=num_tree_rows == scheduler_output.total_num_scheduled_tokens,
+                first_rows={T: g.first_row for T, g in branching.items()},
             ) if branching else None)
         return result
 
@@ -341,6 +343,7 @@ class TreeRunnerMixin:
                                   mask_mode=self.tree_settings.mask_mode, max_context=max(ctxs), tokens=cands,
                                   parents=parents, top1=top1, all_chains=all(p == chain for p in parents),
                                   host_context_lens=ctx_t,
+                                  first_row=q0s[0] if q0s == list(range(q0s[0], q0s[0] + T * len(q0s), T)) else None,
                                   sampled=[i for i, sampled in enumerate(samples) if sampled])
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return groups

@@ -253,26 +253,34 @@ def test_loaded_head_whose_d2t_leaves_the_target_vocabulary_is_refused():
         check_loaded_head(head, 992, "head")
 
 
-def test_branch_attention_matches_brute_force():
+@pytest.mark.parametrize("impl,dim,L,block_size,lens", [("torch", 8, 6, 4, [6, 4]), ("cpu", 16, 40, 16, [40, 17]),
+                                                         ("cpu", 64, 33, 32, [5, 33])])
+def test_branch_attention_matches_brute_force(impl, dim, L, block_size, lens):
     """A draft step's attention: each frontier node sees its request's committed
-    context (paged, lengths differ) + its ancestors' branch entries + itself."""
+    context (paged, lengths differ) + its ancestors' branch entries + itself.
+    torch (a layout the host kernel does not serve) and the host C kernel."""
+    from spec_tree_kernels import cpu_attention
+
     from spec_plugins.vllm_ext.attention import BranchAttention
 
+    assert impl == "torch" or cpu_attention.build(), cpu_attention.build_error()
     gen = torch.Generator().manual_seed(5)
-    R, K, hq, hkv, dim, L, block_size = 2, 3, 4, 2, 8, 6, 4
-    kv_lens = torch.tensor([6, 4])
+    R, K, hq, hkv = 2, 3, 4, 2
+    kv_lens = torch.tensor(lens)
     ctx_k, ctx_v = torch.randn(R, L, hkv, dim, generator=gen), torch.randn(R, L, hkv, dim, generator=gen)
     # the paged cache: request r's positions in blocks block_rows[r] (shuffled, spare blocks hold noise),
     # K stored transposed per block as vLLM-CPU does
-    block_rows = torch.tensor([[3, 0, 5], [1, 4, 2]])
-    k_store = torch.randn(6, hkv, dim, block_size, generator=gen)
-    v_cache = torch.randn(6, block_size, hkv, dim, generator=gen)
+    nb = -(-L // block_size)
+    block_rows = torch.randperm(2 * nb + 1, generator=gen)[: 2 * nb].view(R, nb)
+    k_store = torch.randn(2 * nb + 1, hkv, dim, block_size, generator=gen)
+    v_cache = torch.randn(2 * nb + 1, block_size, hkv, dim, generator=gen)
     for r in range(R):
         for p in range(L):
             k_store[block_rows[r, p // block_size], :, :, p % block_size] = ctx_k[r, p]
             v_cache[block_rows[r, p // block_size], p % block_size] = ctx_v[r, p]
     k_cache = k_store.permute(0, 3, 1, 2)  # [num_blocks, block_size, Hkv, D] view
-    att = BranchAttention.from_paged(k_cache, v_cache, block_rows, kv_lens, L, 2 * K, scale=dim ** -0.5)
+    att = BranchAttention.from_paged(k_cache, v_cache, block_rows, kv_lens, L, 2 * K, scale=dim ** -0.5, impl=impl)
+    assert att.host_kernel == (impl == "cpu")
     levels = []
     for level, anc in ((1, torch.zeros(R, K, 0, dtype=torch.bool)),
                        (2, torch.tensor([[[1, 0, 0], [1, 0, 0], [0, 0, 1]],
@@ -295,13 +303,16 @@ def test_branch_attention_matches_brute_force():
                 torch.testing.assert_close(out[r * K + j], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("views", [False, True])
 @pytest.mark.parametrize("impl", ["torch", "cpu"])
 @pytest.mark.parametrize("layout", ["cpu_vec_fp32", "flash"])
-def test_compute_tree_rows_matches_brute_force(layout, impl):
+def test_compute_tree_rows_matches_brute_force(layout, impl, views):
     """The adapter around tree attention: rows of each published tree are
     replaced by prefix + ancestors attention, other rows are left alone, for the
     CPU cache layout and FlashAttention's (the torch plan/run on CPU tensors,
-    and the host C kernel the CPU backend uses)."""
+    and the host C kernel the CPU backend uses); views: the 5-node group is
+    declared one range of rows (read and written in place), the 3-node one
+    (rows 0 and 3) is not."""
     from spec_tree_kernels import cpu_attention
 
     assert impl == "torch" or cpu_attention.build(), cpu_attention.build_error()
@@ -334,7 +345,8 @@ def test_compute_tree_rows_matches_brute_force(layout, impl):
                                      "ANCESTOR_BITMASK")
         groups[nodes] = (torch.tensor(rows), torch.tensor([int(q_start[r]) for r in rows]),
                          torch.tensor([ctx[r] for r in rows]), tree.tree_mask)
-    trees = A.VerifyTrees(mode="ANCESTOR_BITMASK", groups=groups, max_context=max(ctx.values()))
+    trees = A.VerifyTrees(mode="ANCESTOR_BITMASK", groups=groups, max_context=max(ctx.values()),
+                          first_rows={5: int(q_start[2]), 3: None} if views else {})
     A.compute_tree_rows(trees, query, output, k_view, v_view, block_table, heads, dim, dim ** -0.5, impl=impl)
     out = output.view(-1, heads, dim)
     assert torch.equal(out[int(q_start[1])], torch.full((heads, dim), 7.0))  # the plain row is untouched
