@@ -109,14 +109,39 @@ def interleaved_schedule(n: int, levels, rounds, temperatures=(0.0,)) -> list[tu
     return [(t, c, r, i) for t in temperatures for c in levels for r in range(per_level[c]) for i in rotation(n, r)]
 
 
+def round_slices(num_prompts: int, concurrency: int) -> list[list[int]]:
+    """How one round runs the prompt set on each engine: at concurrency 1, one
+    prompt at a time, every configuration in turn (rotated per prompt), so a
+    drift of the machine within the round hits every configuration alike;
+    above, the whole set in one go (a steady load needs the requests in flight)."""
+    if concurrency == 1:
+        return [[k] for k in range(num_prompts)]
+    return [list(range(num_prompts))]
+
+
+def join_slices(runs: list[RunResult]) -> RunResult:
+    """One round's RunResult from its slices (``round_slices``): outputs in
+    prompt order, seconds, tokens and counters summed."""
+    first = runs[0]
+    return RunResult(first.name, first.concurrency, first.temperature,
+                     tokens=[t for r in runs for t in r.tokens],
+                     finish_reasons=[f for r in runs for f in r.finish_reasons],
+                     seconds=sum(r.seconds for r in runs), generated=sum(r.generated for r in runs),
+                     drafts=sum(r.drafts for r in runs), accepted=sum(r.accepted for r in runs),
+                     accepted_per_depth=[sum(x) for x in zip_longest(*(r.accepted_per_depth for r in runs),
+                                                                     fillvalue=0)],
+                     runner=_sum_counters([r.runner for r in runs]))
+
+
 def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], max_tokens: int, levels,
                     rounds, temperatures=(0.0,), log=None, progress=None, load: str = "steady",
                     **engine_extra) -> dict:
     """{(config, concurrency, temperature): RunResult} with every
     configuration's engine alive at once (each warmed up once): per
     temperature and level, ``rounds`` rounds (``rounds_per_level``) in each of which every
-    configuration runs the whole prompt set, in rotated order (see
-    ``merge_rounds`` for what a RunResult then holds). log: takes a line of
+    configuration runs the whole prompt set, in rotated order, at
+    concurrency 1 prompt by prompt (``round_slices``; see ``merge_rounds`` for
+    what a RunResult then holds). log: takes a line of
     text; progress: label -> callback(done, total)."""
     log = log or (lambda line: None)
     runs = {}
@@ -126,12 +151,23 @@ def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], m
         engines = start_engines(configs, model, prompts[0], log,
                                 **{"distributed_executor_backend": _executor_in_engine_core(), **engine_extra})
         try:
-            for temp, level, r, i in schedule:
-                e = engines[i]
-                _use_collectors(e.collectors)
-                show = progress(f"{e.cfg.name} c{level} r{r + 1}/{per_level[level]}") if progress else None
-                runs.setdefault((e.cfg, level, temp), []).append(
-                    _timed_run(e.llm, e.cfg, prompts, max_tokens, level, temp, show, load))
+            for temp, level, r in dict.fromkeys((t, c, r) for t, c, r, _ in schedule):
+                slices = round_slices(len(prompts), level)
+                parts: dict[int, list] = {}
+                round_bar = progress(f"all configurations c{level} r{r + 1}/{per_level[level]}") if (
+                    progress and len(slices) > 1) else None
+                for s_idx, chunk in enumerate(slices):
+                    for i in rotation(len(engines), r + s_idx):
+                        e = engines[i]
+                        _use_collectors(e.collectors)
+                        show = progress(f"{e.cfg.name} c{level} r{r + 1}/{per_level[level]}") if (
+                            progress and len(slices) == 1) else None
+                        parts.setdefault(i, []).append(
+                            _timed_run(e.llm, e.cfg, [prompts[k] for k in chunk], max_tokens, level, temp, show, load))
+                    if round_bar:
+                        round_bar(s_idx + 1, len(slices))
+                for i, slice_runs in parts.items():
+                    runs.setdefault((engines[i].cfg, level, temp), []).append(join_slices(slice_runs))
             log("after the runs: " + memory_report(engines))
         finally:
             stop_engines(engines)

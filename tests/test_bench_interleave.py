@@ -53,6 +53,23 @@ def test_bench_interleaved_schedule_rounds_per_level():
         vb.rounds_per_level([2, 3, 4], [1, 8])
 
 
+def test_bench_round_slices_prompt_by_prompt_at_concurrency_one():
+    assert vb.round_slices(3, 1) == [[0], [1], [2]]
+    assert vb.round_slices(3, 8) == [[0, 1, 2]]  # a steady load keeps the whole set in flight
+
+
+def test_bench_join_slices_keeps_prompt_order_and_sums():
+    a = vb.RunResult("t", generated=3, seconds=0.5, tokens=[[1, 2, 3]], finish_reasons=["length"], drafts=2,
+                     accepted=1, accepted_per_depth=[1, 0], runner={"steps": 2, "tree_attention_impl": "cpu"})
+    b = vb.RunResult("t", generated=2, seconds=1.5, tokens=[[4, 5]], finish_reasons=["stop"], drafts=1,
+                     accepted=1, accepted_per_depth=[1], runner={"steps": 1, "tree_attention_impl": "cpu"})
+    j = vb.join_slices([a, b])
+    assert (j.tokens, j.finish_reasons) == ([[1, 2, 3], [4, 5]], ["length", "stop"])
+    assert (j.generated, j.seconds, j.drafts, j.accepted, j.accepted_per_depth) == (5, 2.0, 3, 2, [2, 0])
+    assert j.runner == {"steps": 3, "tree_attention_impl": "cpu"}
+    assert j.tokens_per_s == pytest.approx(2.5)  # the round's tokens over its summed seconds
+
+
 def test_bench_merge_rounds_median_and_sums():
     runs = [run("t", 10.0, drafts=4, accepted=6, per_depth=[3, 2, 1],
                 runner={"steps": 5, "step_seconds": 1.5, "budget_steps": {"5,4,8": 2, "none": 1},
