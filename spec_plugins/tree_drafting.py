@@ -95,6 +95,27 @@ def expand_pool(first_logits: torch.Tensor, first_hidden: torch.Tensor, draft_to
     return torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), parent_list
 
 
+def expand_chain(first_logits: torch.Tensor, first_hidden: torch.Tensor, draft_to_target: torch.Tensor | None,
+                 num_steps: int, step: DraftStep) -> torch.Tensor:
+    """A topk-1 pool without its scores: the argmax child at each of
+    ``num_steps`` levels, as vLLM's own EAGLE chain drafts (a chain's ranking
+    never reads the path probabilities: ``select_trees``), for R requests.
+    Same inputs as ``expand_pool``; returns pool_tokens [R, num_steps] int64
+    target ids (``chain_trees`` makes the trees)."""
+    R, H = first_hidden.shape
+
+    def to_target(draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if draft_to_target is None else draft_to_target[draft_ids]
+
+    tokens = [to_target(first_logits.argmax(-1, keepdim=True))]  # [R, 1]
+    hidden = first_hidden[:, None]
+    ancestors = torch.ones(R, 1, num_steps - 1, dtype=torch.bool, device=first_logits.device)
+    for level in range(1, num_steps):
+        logits, hidden = step(level, tokens[-1], hidden, ancestors[..., : level - 1])  # every entry before is one
+        tokens.append(to_target(logits[:, 0].argmax(-1, keepdim=True)))
+    return torch.cat(tokens, 1)
+
+
 def select_trees(scores: torch.Tensor, pool_tokens: torch.Tensor, parent_list: torch.Tensor, shape: TreeShape,
                  impl: str = "torch") -> DraftTrees:
     """The T - 1 best candidates of each pool as a closed tree (tie-safe,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import spec_tree_kernels as stk
-from spec_plugins.tree_drafting import TreeShape, expand_pool, select_trees
+from spec_plugins.tree_drafting import TreeShape, chain_trees, expand_chain, expand_pool, select_trees
 
 
 def _random_step(vocab: int, hidden: int, seed: int):
@@ -68,6 +68,34 @@ def test_expand_pool_passes_each_frontier_its_ancestors():
     for r in range(R):
         for j in range(K):
             assert seen[2][r, j].nonzero().flatten().tolist() == [int(survivors[r, j])]
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 5])
+def test_expand_chain_drafts_what_a_topk1_pool_selects(num_steps):
+    """The chain fast path (argmax per level, no scores) drafts the tokens the
+    topk-1 pool and its selection give, hands the head the same inputs (every
+    branch entry before is an ancestor), and maps through d2t."""
+    R, V, H = 4, 60, 6
+    gen = torch.Generator().manual_seed(num_steps)
+    first_logits, first_hidden = torch.randn(R, V, generator=gen), torch.randn(R, H, generator=gen)
+    d2t = torch.randperm(300, generator=gen)[:V]
+    calls = {"pool": [], "chain": []}
+    base = _random_step(V, H, 9)
+
+    def recording(name):
+        def step(level, tokens, hidden, ancestors):
+            calls[name].append((level, tokens.clone(), hidden.clone(), ancestors.clone()))
+            return base(level, tokens, hidden, ancestors)
+        return step
+
+    pool = expand_pool(first_logits, first_hidden, d2t, num_steps, 1, recording("pool"))
+    want = select_trees(*pool, TreeShape(num_steps, 1, num_steps + 1))
+    got = chain_trees(expand_chain(first_logits, first_hidden, d2t, num_steps, recording("chain")), num_steps + 1)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+    assert len(calls["chain"]) == len(calls["pool"]) == num_steps - 1
+    for (l1, t1, h1, a1), (l2, t2, h2, a2) in zip(calls["chain"], calls["pool"]):
+        assert l1 == l2 and torch.equal(t1, t2) and torch.equal(h1, h2) and torch.equal(a1, a2)
+        assert a1.shape == (R, 1, l1 - 1) and a1.all()
 
 
 def test_top1_path_is_what_a_chain_drafts():

@@ -16,7 +16,8 @@ One step, for the batch (no per-request Python loop):
    mask; the runner then moves the accepted path's head KV with the target's.
 2. ``draft``: from the head output at each request's last committed row,
    ``num_steps - 1`` head forwards of the K frontier nodes of every tree
-   (``spec_plugins.tree_drafting.expand_pool``); their KV lives in a scratch
+   (``spec_plugins.tree_drafting.expand_pool``; a chain: ``expand_chain``,
+   the argmax at each level); their KV lives in a scratch
    tensor read through ``BranchAttention`` (never in the paged cache), then the
    tie-safe ancestor-closed selection of T - 1 nodes per request.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_plugins.tree_drafting import DraftTrees, TreeShape, expand_pool, select_trees
+from spec_plugins.tree_drafting import DraftTrees, TreeShape, chain_trees, expand_chain, expand_pool, select_trees
 
 from .attention import BranchAttention
 from .config import TreeConfigError
@@ -86,6 +87,8 @@ class TreeDrafter:
         kv_views: the drafter layer's paged K, V [num_blocks, block_size, Hkv, D]."""
         shape = shape or self.shape
         S, K = shape.num_steps, shape.topk
+        if K == 1:  # a chain verifies T - 1 drafts: deeper levels would be drafted for nothing
+            S = max(1, min(S, shape.num_draft_tokens - 1))
         branch = self._branch_attention(kv_lens, max_kv_len, block_rows, kv_views, (S - 1) * K)
         base_positions = kv_lens - 1
 
@@ -97,6 +100,9 @@ class TreeDrafter:
                                              hidden.flatten(0, 1))
             return self.logits(h_logits).view(R, K, -1), h_next.view(R, K, -1)
 
+        if K == 1:  # a chain: argmax per level, no path scores to rank
+            tokens = expand_chain(self.logits(last_hidden), next_hidden, self.draft_to_target, S, step)
+            return chain_trees(tokens, shape.num_draft_tokens)
         pool = expand_pool(self.logits(last_hidden), next_hidden, self.draft_to_target, S, K, step)
         return select_trees(*pool, shape, impl=self.impl)
 
