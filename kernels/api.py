@@ -11,8 +11,8 @@ runs one implementation:
   (built at engine startup by ``startup.prepare``);
 * ``impl="auto"``   (default) the fastest available for the tensors' device:
   see ``_AUTO_PREFERENCE``; on CPU the reference, except tree attention,
-  which takes the host kernel once it is built (7x the torch path for one
-  request's 8 nodes over 400 positions on 2 cores).
+  which takes the host kernel once it is built (3.7-6x the torch path on
+  2 cores: ``python -m spec_plugins.kernel_bench.cpu_attention``).
 
 ``SPEC_TREE_KERNELS_IMPL`` overrides ``auto`` process-wide (``resolve_impl``,
 which tree attention honours too).

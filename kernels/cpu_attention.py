@@ -141,13 +141,13 @@ def run(blocks: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, k_cache: torc
     return out
 
 
-def branch_supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """``run_branch`` serves this draft layer: built, CPU, float32, and the
-    paged cache in vLLM-CPU's fp32 layout (K transposed per block, V
-    row-major) with block size and head dim multiples of 16."""
+def branch_supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """``run_branch`` can serve this draft layer's cache (float32 queries
+    given): built, CPU, float32, in vLLM-CPU's fp32 layout (K transposed per
+    block, V row-major) with block size and head dim multiples of 16."""
     block_size, dim = k_cache.shape[1], k_cache.shape[3]
-    return (supports(query, k_cache, v_cache) and k_cache.stride(1) == 1 and v_cache.stride(3) == 1
-            and block_size % 16 == 0 and dim % 16 == 0)
+    return (_lib is not None and k_cache.device.type == "cpu" and k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.stride(1) == 1 and v_cache.stride(3) == 1 and block_size % 16 == 0 and dim % 16 == 0)
 
 
 def run_branch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,

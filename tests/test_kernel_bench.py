@@ -154,3 +154,25 @@ def test_selection_is_not_timed_for_cuda():
     rows = bench_tree_ops(1, 8, (8,), ["torch", "cuda"], Timer(CPU, iters=1, warmup=0), kv=KvCacheShape(1, 1, 2, 4), vocab=5)
     assert {r["impl"] for r in rows if r["op"] == "select"} == {"torch"}
     assert all("error" in r for r in rows if r["impl"] == "cuda")  # no CUDA tensors here: each call raises, rows say so
+
+
+def test_cpu_attention_bench_point_times_all_three_on_the_same_rows(capsys):
+    """The host-CPU tree attention bench (python -m spec_plugins.kernel_bench.cpu_attention):
+    one point times torch and the host kernel on the same rows and the host
+    kernel agrees with the torch path; vLLM's kernel only where vLLM is
+    importable (the core venv has none)."""
+    import importlib.util
+
+    import pytest
+
+    from spec_plugins.kernel_bench import cpu_attention as bench
+    from spec_tree_kernels import cpu_attention
+
+    if cpu_attention.find_compiler() is None:
+        pytest.skip("no host C compiler to build the kernel")
+    assert cpu_attention.build(), cpu_attention.build_error()
+    row = bench.bench_point(batch=2, context=150, repeats=3)
+    assert row["torch"] > 0 and row["cpu"] > 0 and row["cpu_max_abs_err"] < 1e-4
+    assert (row["vllm"] is None) == (importlib.util.find_spec("vllm") is None)
+    assert bench.main(["--context", "20", "--batch", "1", "--repeats", "2"]) == 0
+    assert "| 1 | 20 |" in capsys.readouterr().out

@@ -120,7 +120,7 @@ class BranchAttention:
         R, hkv, dim = len(kv_lens), k_cache.shape[2], k_cache.shape[3]
         scratch = k_cache.new_empty(2, R, branch_entries, hkv, dim)
         host = (resolve_impl("attention", impl, k_cache.device) == "cpu"
-                and cpu_attention.branch_supports(k_cache, k_cache, v_cache))
+                and cpu_attention.branch_supports(k_cache, v_cache))
         return cls(k_cache=k_cache, v_cache=v_cache, blocks=block_rows[:, :num_blocks].long(), kv_lens=kv_lens,
                    branch_k=scratch[0], branch_v=scratch[1], scale=scale, host_kernel=host)
 
@@ -134,7 +134,7 @@ class BranchAttention:
         self.branch_v[:, new] = value.view(R, K, hkv, dim).to(self.branch_v.dtype)
         self.filled += K
         visible = torch.cat([self.ancestors, torch.eye(K, dtype=torch.bool, device=query.device).expand(R, K, K)], -1)
-        if self.host_kernel:
+        if self.host_kernel and query.dtype == torch.float32:
             from spec_tree_kernels import cpu_attention
 
             dst = output.view(R, K, hq, dim)
