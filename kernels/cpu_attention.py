@@ -128,8 +128,7 @@ def run(blocks: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, k_cache: torc
     q = q.contiguous()
     blocks = blocks.to(torch.int64).contiguous()
     bias = bias.contiguous()
-    if out is None or not (out.is_contiguous() and out.dtype == torch.float32 and out.shape == q.shape):
-        out = torch.empty_like(q)
+    out = _result_buffer(out, q.shape)
     nb = blocks.shape[1]
     work = torch.empty(_lib.spec_tree_attention_workspace(nb, block_size, dim), dtype=torch.float32)
 
@@ -139,6 +138,14 @@ def run(blocks: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, k_cache: torc
                                  k_cache.shape[0], hkv, block_size, blocks.data_ptr(), nb, bias.data_ptr(), float(scale),
                                  out.data_ptr(), work.data_ptr())
     return out
+
+
+def _result_buffer(out: torch.Tensor | None, shape) -> torch.Tensor:
+    """Where a kernel writes its result: ``out`` when it is a contiguous float32
+    tensor of ``shape``, else a new one (the caller copies from it)."""
+    if out is not None and out.is_contiguous() and out.dtype == torch.float32 and out.shape == shape:
+        return out
+    return torch.empty(shape, dtype=torch.float32)
 
 
 def branch_supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -152,19 +159,21 @@ def branch_supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 def run_branch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                kv_lens: torch.Tensor, branch_k: torch.Tensor, branch_v: torch.Tensor, filled: int,
-               visible: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+               visible: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """One tree-drafting step (``BranchAttention``): query [R, K, Hq, D]; the
     head layer's paged K/V views (``branch_supports``); blocks [R, nb] int64
     with kv_lens [R] int64 <= nb * block_size committed positions; branch_k /
     branch_v [R, E, Hkv, D] contiguous scratch, the first ``filled`` entries
-    written; visible [R, K, filled] bool (ancestors and self). Writes and
-    returns out [R, K, Hq, D] contiguous float32."""
+    written; visible [R, K, filled] bool (ancestors and self). Returns
+    [R, K, Hq, D] float32: ``out`` when it is a contiguous float32 tensor of
+    that shape, else a new one."""
     R, K, hq, dim = query.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     query = query.contiguous()
     blocks = blocks.to(torch.int64).contiguous()
     kv_lens = kv_lens.to(torch.int64).contiguous()
     visible = visible.to(torch.uint8).contiguous()
+    out = _result_buffer(out, query.shape)
     nb, entries = blocks.shape[1], branch_k.shape[1]
     work = torch.empty(_lib.spec_branch_attention_workspace(nb, block_size, entries, dim), dtype=torch.float32)
     _lib.spec_branch_attention_f32(query.data_ptr(), R, K, hq, dim,

@@ -34,6 +34,7 @@ is the median round, ratios are medians of per-round ratios.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -104,7 +105,8 @@ def rounds_per_level(rounds, levels) -> dict:
 
 def interleaved_schedule(n: int, levels, rounds, temperatures=(0.0,)) -> list[tuple]:
     """(temperature, concurrency, round, configuration index) in run order;
-    rounds as ``rounds_per_level`` takes them."""
+    rounds as ``rounds_per_level`` takes them. A round run prompt by prompt
+    (``round_slices``) takes its order rotated by one more per prompt."""
     per_level = rounds_per_level(rounds, levels)
     return [(t, c, r, i) for t in temperatures for c in levels for r in range(per_level[c]) for i in rotation(n, r)]
 
@@ -151,13 +153,14 @@ def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], m
         engines = start_engines(configs, model, prompts[0], log,
                                 **{"distributed_executor_backend": _executor_in_engine_core(), **engine_extra})
         try:
-            for temp, level, r in dict.fromkeys((t, c, r) for t, c, r, _ in schedule):
+            for (temp, level, r), entries in itertools.groupby(schedule, key=lambda entry: entry[:3]):
+                order = [i for *_, i in entries]
                 slices = round_slices(len(prompts), level)
                 parts: dict[int, list] = {}
                 round_bar = progress(f"all configurations c{level} r{r + 1}/{per_level[level]}") if (
                     progress and len(slices) > 1) else None
                 for s_idx, chunk in enumerate(slices):
-                    for i in rotation(len(engines), r + s_idx):
+                    for i in order[s_idx % len(order):] + order[: s_idx % len(order)]:  # rotated per slice
                         e = engines[i]
                         _use_collectors(e.collectors)
                         show = progress(f"{e.cfg.name} c{level} r{r + 1}/{per_level[level]}") if (

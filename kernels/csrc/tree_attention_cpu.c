@@ -312,8 +312,8 @@ void spec_tree_attention_f32(const float *q, int64_t B, int64_t T, int64_t Hq, i
         for (int r = 0; r < ROWS; ++r)  /* a padding row takes the first node's mask: finite, never written */
             bias_rows[r] = bias + (b * T + (m0 + r < rows ? (m0 + r) / group : 0)) * S;
         const int64_t span = visible_span(bias + b * T * S, T, S);
-        const int64_t padded = (span + LANES - 1) / LANES * LANES;  /* <= S when block_size % LANES == 0 */
-        const int vector_rows = fast_k && fast_v && padded <= S;
+        const int64_t padded = (span + LANES - 1) / LANES * LANES;  /* <= S: fast_k has block_size % LANES == 0 */
+        const int vector_rows = fast_k && fast_v;
         if (span == 0) {  /* nothing visible (no real request): zeros, as the torch path's uniform 0 * V */
             for (int r = 0; r < ROWS; ++r)
                 if (out_rows[r]) memset(out_rows[r], 0, sizeof(float) * D);

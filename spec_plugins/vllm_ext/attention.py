@@ -138,12 +138,11 @@ class BranchAttention:
             from spec_tree_kernels import cpu_attention
 
             dst = output.view(R, K, hq, dim)
-            direct = dst.is_contiguous() and dst.dtype == torch.float32
-            out = cpu_attention.run_branch(query.view(R, K, hq, dim), self.k_cache, self.v_cache, self.blocks,
+            res = cpu_attention.run_branch(query.view(R, K, hq, dim), self.k_cache, self.v_cache, self.blocks,
                                            self.kv_lens, self.branch_k, self.branch_v, self.filled, visible,
-                                           self.scale, dst if direct else torch.empty(R, K, hq, dim))
-            if not direct:
-                dst.copy_(out)
+                                           self.scale, out=dst)
+            if res is not dst:
+                dst.copy_(res)
             return output
         return self._attend_torch(query, visible, output)
 
