@@ -17,10 +17,14 @@ Per configuration and concurrency:
   sampling, the head's forwards, our bookkeeping) so overhead is visible;
 * tau = 1 + accepted / drafts (vLLM's "mean acceptance length") and tau per
   depth (accepted at depth d / drafts), from vLLM's own metrics;
-* the cost model of the book chapter with measured parts: t_T (no-spec time
-  per decode step), t_V(T) (tree verify step: forward + sampling, from the
-  runner's timers), c (draft time per step / (num_steps * t_T)); predicted
-  speedup tau / (t_V/t_T + num_steps * c) next to the measured one.
+* the decode speedup: per-request decode tokens/s (vLLM's inter-token
+  latency histogram: engine-core time between a request's outputs, so
+  prefill, queueing and the frontend are out) over no speculation's;
+* the cost model of the book chapter with measured parts (``cost_model``):
+  t_T (no-spec decode step, from that histogram), t_V(T) (tree verify step:
+  forward + sampling, from the runner's timers), c (draft time per step /
+  (num_steps * t_T)); predicted speedup tau / (t_V/t_T + num_steps * c) next
+  to the measured decode speedup, as their ratio.
 
 Engine settings: vLLM-CPU (or CUDA) V1, fp32, enforce_eager, one process.
 
@@ -127,12 +131,7 @@ def join_slices(runs: list[RunResult]) -> RunResult:
     first = runs[0]
     return RunResult(first.name, first.concurrency, first.temperature,
                      tokens=[t for r in runs for t in r.tokens],
-                     finish_reasons=[f for r in runs for f in r.finish_reasons],
-                     seconds=sum(r.seconds for r in runs), generated=sum(r.generated for r in runs),
-                     drafts=sum(r.drafts for r in runs), accepted=sum(r.accepted for r in runs),
-                     accepted_per_depth=[sum(x) for x in zip_longest(*(r.accepted_per_depth for r in runs),
-                                                                     fillvalue=0)],
-                     runner=_sum_counters([r.runner for r in runs]))
+                     finish_reasons=[f for r in runs for f in r.finish_reasons], **_summed(runs))
 
 
 def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], max_tokens: int, levels,
@@ -299,16 +298,21 @@ def merge_rounds(runs: list[RunResult]) -> RunResult:
     ``rounds`` (so tokens/s is the median round's, ratios pair rounds) and
     its tokens/s in ``all_tokens_per_s``; tokens and finish reasons of the
     first round (``same_outputs`` checks them all); seconds, tokens generated,
-    spec counters and runner stats summed."""
+    spec counters, decode timing and runner stats summed."""
     first = runs[0]
     return RunResult(first.name, first.concurrency, first.temperature,
                      all_tokens_per_s=[round(r.tokens_per_s, 2) for r in runs],
-                     tokens=first.tokens, finish_reasons=first.finish_reasons,
-                     seconds=sum(r.seconds for r in runs), generated=sum(r.generated for r in runs),
-                     drafts=sum(r.drafts for r in runs), accepted=sum(r.accepted for r in runs),
-                     accepted_per_depth=[sum(x) for x in zip_longest(*(r.accepted_per_depth for r in runs),
-                                                                     fillvalue=0)],
-                     runner=_sum_counters([r.runner for r in runs]), rounds=list(runs))
+                     tokens=first.tokens, finish_reasons=first.finish_reasons, rounds=list(runs), **_summed(runs))
+
+
+def _summed(runs: list[RunResult]) -> dict:
+    """The RunResult fields that add up over runs: time, tokens, vLLM's counters, runner stats."""
+    return {"seconds": sum(r.seconds for r in runs), "generated": sum(r.generated for r in runs),
+            "drafts": sum(r.drafts for r in runs), "accepted": sum(r.accepted for r in runs),
+            "accepted_per_depth": [sum(x) for x in zip_longest(*(r.accepted_per_depth for r in runs), fillvalue=0)],
+            "runner": _sum_counters([r.runner for r in runs]),
+            "decode_steps": sum(r.decode_steps for r in runs), "decode_seconds": sum(r.decode_seconds for r in runs),
+            "decode_tokens": sum(r.decode_tokens for r in runs)}
 
 
 def _sum_counters(stats: list[dict]) -> dict:
@@ -320,16 +324,20 @@ def _sum_counters(stats: list[dict]) -> dict:
     return out
 
 
-def round_ratios(res: RunResult, ref: RunResult) -> list[float]:
-    """res tokens/s / ref tokens/s, round by round when both ran in the same
-    rounds (interleaved); else the one ratio of their tokens/s."""
+def round_ratios(res: RunResult, ref: RunResult, rate=lambda run: run.tokens_per_s) -> list[float]:
+    """rate(res) / rate(ref) (tokens/s unless told), round by round when both
+    ran in the same rounds (interleaved); else the one ratio of their rates."""
     pairs = list(zip(res.rounds, ref.rounds)) if res.rounds and ref.rounds else [(res, ref)]
-    return [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
+    return [rate(a) / rate(b) for a, b in pairs]
 
 
-def paired_ratio(res: RunResult, ref: RunResult) -> float:
+def paired_ratio(res: RunResult, ref: RunResult, rate=lambda run: run.tokens_per_s) -> float:
     """The median of ``round_ratios``: a drift between rounds cancels out."""
-    return statistics.median(round_ratios(res, ref))
+    return statistics.median(round_ratios(res, ref, rate))
+
+
+def decode_rate(run: RunResult) -> float:
+    return run.decode_tokens_per_s
 
 
 def _outputs(run: RunResult) -> tuple:
@@ -377,13 +385,36 @@ def summarize(base: RunResult, res: RunResult, cfg: SpecConfig, peer: RunResult 
         target = r["step_seconds"] - head - ours  # target forward + vLLM's own scheduling/sampling
         row["step_ms"] = {"target": round(target / n * 1e3, 2), "head": round(head / n * 1e3, 2),
                           "ours": round(ours / n * 1e3, 2), "ours_share": round(ours / r["step_seconds"], 3)}
-    base_step = base.seconds / max(base.generated, 1) * base.concurrency  # t_T: one no-spec decode step
-    if r.get("verify_steps") and r.get("draft_calls") and res.tau:
-        t_v = r["verify_seconds"] / r["verify_steps"]
-        c = r["draft_seconds"] / r["draft_calls"] / (steps * base_step)
-        row["cost_model"] = {"t_T_ms": round(base_step * 1e3, 2), "t_V_over_t_T": round(t_v / base_step, 3),
-                             "c": round(c, 3), "predicted_speedup": round(res.tau / (t_v / base_step + steps * c), 3)}
+    if res.decode_seconds and base.decode_seconds:
+        row["decode_speedup"] = round(paired_ratio(res, base, decode_rate), 3)
+    row.update(cost_model(base, res, steps))
     return row
+
+
+def cost_model(base: RunResult, res: RunResult, num_steps: int) -> dict:
+    """{"cost_model": ...}: the book chapter's predicted speedup
+    tau / (t_V / t_T + num_steps * c) from measured parts, next to the
+    measured decode speedup ({} without the timings). Decode only on both
+    sides, as the model is, and every time per decoding request-step (the
+    unit of vLLM's inter-token latency, so a step serving 8 requests weighs
+    8 times one serving 1): t_T is no speculation's engine-core step (its
+    mean inter-token latency, which also holds the engine's own work around
+    the runner: a conservative t_T, it raises the prediction); t_V(T)
+    (target forward + sampling + our walk) and c (extend + drafting + our
+    bookkeeping, per draft step, over t_T) come from our runner's timers."""
+    r, t_T = res.runner, base.decode_step_seconds
+    n = r.get("decode_request_steps")
+    if not (t_T and n and res.tau and res.decode_seconds):
+        return {}
+    t_v = r["decode_verify_seconds"] / n
+    c = r["decode_draft_seconds"] / n / (num_steps * t_T)
+    predicted = res.tau / (t_v / t_T + num_steps * c)
+    measured = paired_ratio(res, base, decode_rate)
+    return {"cost_model": {"t_T_ms": round(t_T * 1e3, 2), "t_V_over_t_T": round(t_v / t_T, 3), "c": round(c, 3),
+                           "predicted_speedup": round(predicted, 3),
+                           # the same count two ways: a mismatch means the weights above are not vLLM's
+                           "decode_request_steps": {"runner": n, "vllm": res.decode_steps},
+                           "measured_over_predicted": round(measured / predicted, 3)}}
 
 
 def peer_of(cfg: SpecConfig, configs: list[SpecConfig]) -> SpecConfig | None:
@@ -394,8 +425,8 @@ def peer_of(cfg: SpecConfig, configs: list[SpecConfig]) -> SpecConfig | None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| config | conc | temp | tok/s | vs no-spec | vs vLLM chain | tau | tau per depth | step ms: target / "
-             "head / ours (ours %) | t_V/t_T | c | predicted | identical |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|:---:|"]
+             "head / ours (ours %) | t_V/t_T | c | decode vs no-spec | predicted | measured / predicted | identical |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|:---:|"]
     for r in rows:
         cm, st = r.get("cost_model", {}), r.get("step_ms")
         depth = " ".join(f"{x:.2f}" for x in r.get("tau_per_depth", []))
@@ -405,8 +436,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['config']} | {r['concurrency']} | {r.get('temperature', 0.0):g} | {r['tokens_per_s']:.1f} | "
                      f"{r.get('speedup', 1.0):.2f} | "
                      f"{f'{peer:.2f}' if peer else '-'} | {r['tau'] if r.get('tau') else '-'} | {depth or '-'} | "
-                     f"{steps} | {cm.get('t_V_over_t_T', '-')} | {cm.get('c', '-')} | "
-                     f"{cm.get('predicted_speedup', '-')} | {same} |")
+                     f"{steps} | {cm.get('t_V_over_t_T', '-')} | {cm.get('c', '-')} | {r.get('decode_speedup', '-')} | "
+                     f"{cm.get('predicted_speedup', '-')} | {cm.get('measured_over_predicted', '-')} | {same} |")
     return "\n".join(lines)
 
 

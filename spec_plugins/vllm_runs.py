@@ -34,6 +34,12 @@ def _metric(metrics, name):
     return per_pos if per_pos is not None else total
 
 
+def _histogram(metrics, name) -> tuple[int, float]:
+    """A histogram's (count, sum) over engines from ``llm.get_metrics()``; (0, 0.0) when absent."""
+    found = [m for m in metrics if m.name == name and hasattr(m, "sum")]
+    return sum(m.count for m in found), sum(m.sum for m in found)
+
+
 METHOD_OF_KIND = {"eagle3": "eagle3", "eagle1": "eagle"}
 
 
@@ -75,6 +81,21 @@ class RunResult:
     accepted_per_depth: list = field(default_factory=list)
     runner: dict = field(default_factory=dict)
     rounds: list = field(default_factory=list)  # interleaved: each round's RunResult (counters here: their sums)
+    # decode only, from vLLM's inter-token latency histogram: engine-core time between a request's
+    # successive outputs (one step each; prefill, queueing and the frontend excluded), summed over requests
+    decode_steps: int = 0  # request-steps after each request's first token
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0  # tokens those steps produced: generated minus each request's first
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """One request's decode rate (tokens after its first / its decode time), averaged over tokens."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def decode_step_seconds(self) -> float | None:
+        """Engine-core wall time of one decode step at this concurrency (its mean inter-token latency)."""
+        return self.decode_seconds / self.decode_steps if self.decode_steps else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,10 +144,12 @@ def spec_kwargs(cfg: SpecConfig) -> dict:
             "additional_config": {"spec_tree": tree}}
 
 
-def _spec_counts(llm) -> tuple[int, int, list]:
+def _spec_counts(llm) -> tuple[int, int, list, tuple[int, float]]:
+    """vLLM's counters: drafts, accepted, accepted per position, and the inter-token latency (count, sum)."""
     m = llm.get_metrics()
     return (_metric(m, "vllm:spec_decode_num_drafts") or 0, _metric(m, "vllm:spec_decode_num_accepted_tokens") or 0,
-            list(_metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos") or []))
+            list(_metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos") or []),
+            _histogram(m, "vllm:inter_token_latency_seconds"))
 
 
 SAMPLED_TOP_P = 0.9  # temperature > 0 runs sample with this top-p
@@ -210,7 +233,7 @@ def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concur
     if load not in LOADS:
         raise ValueError(f"load={load!r}: expected one of {LOADS}")
     params = sampling_params(temperature, max_tokens, len(prompts))
-    d0, a0, p0 = _spec_counts(llm)
+    d0, a0, p0, (n0, s0) = _spec_counts(llm)
     stats0 = _runner_stats(llm) if cfg.head and not cfg.engine_chain else {}
     res = RunResult(cfg.name, concurrency=concurrency, temperature=temperature)
     t0 = time.perf_counter()
@@ -219,8 +242,10 @@ def _timed_run(llm, cfg: SpecConfig, prompts: list[str], max_tokens: int, concur
         res.finish_reasons.append(out.outputs[0].finish_reason)
     res.seconds = time.perf_counter() - t0
     res.generated = sum(len(t) for t in res.tokens)
-    d1, a1, p1 = _spec_counts(llm)
+    d1, a1, p1, (n1, s1) = _spec_counts(llm)
     res.drafts, res.accepted = d1 - d0, a1 - a0
+    res.decode_steps, res.decode_seconds = n1 - n0, s1 - s0
+    res.decode_tokens = res.generated - sum(1 for t in res.tokens if t)
     res.accepted_per_depth = [b - a for a, b in zip(p0 or [0] * len(p1), p1)]
     if stats0:
         stats1 = _runner_stats(llm)

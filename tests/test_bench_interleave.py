@@ -151,3 +151,40 @@ def test_bench_interleave_argument_errors(capsys):
     assert "--interleave replaces --repeats" in capsys.readouterr().out
     assert cli.main(["bench", "--concurrency", "1", "8", "--interleave", "2", "3", "4"]) == 2
     assert "one per --concurrency level [1, 8]; got [2, 3, 4]" in capsys.readouterr().out
+
+
+def decode_run(name, steps, seconds, tokens, **kw):
+    r = run(name, 10.0, **kw)
+    r.decode_steps, r.decode_seconds, r.decode_tokens = steps, seconds, tokens
+    return r
+
+
+def test_bench_decode_timing_adds_up_over_slices_and_rounds():
+    a, b = decode_run("t", 10, 0.5, 12), decode_run("t", 30, 1.0, 40)
+    for joined in (vb.join_slices([a, b]), vb.merge_rounds([a, b])):
+        assert (joined.decode_steps, joined.decode_seconds, joined.decode_tokens) == (40, 1.5, 52)
+        assert joined.decode_step_seconds == pytest.approx(1.5 / 40)
+    assert run("t", 10.0).decode_step_seconds is None and run("t", 10.0).decode_tokens_per_s == 0.0
+
+
+def test_bench_cost_model_against_hand_arithmetic():
+    """Per decoding request-step: t_T = 3.0 s / 100 = 30 ms; t_V = 0.4 s / 10
+    = 40 ms; c = 15 ms of drafting / (5 steps * 30 ms) = 0.1; tau = 1 + 10 / 10
+    = 2, so predicted = 2 / (4/3 + 5 * 0.1) = 12/11. Measured (decode): 100
+    tokens in 2.0 s against 100 in 3.0 s = 1.5, so measured / predicted = 1.5 *
+    11/12 = 1.375. The per-step timers (verify_seconds: one step of 8 s) do
+    not enter: only the request-weighted ones do."""
+    base = decode_run("no-spec", 100, 3.0, 100)
+    tree = decode_run(TREE.name, 50, 2.0, 100, drafts=10, accepted=10,
+                      runner={"decode_request_steps": 10, "decode_verify_seconds": 0.4, "decode_draft_seconds": 0.15,
+                              "verify_steps": 1, "verify_seconds": 8.0})
+    row = vb.summarize(base, tree, TREE)
+    assert row["decode_speedup"] == 1.5
+    assert row["cost_model"] == {"t_T_ms": 30.0, "t_V_over_t_T": 1.333, "c": 0.1, "predicted_speedup": 1.091,
+                                 "decode_request_steps": {"runner": 10, "vllm": 50}, "measured_over_predicted": 1.375}
+    # without vLLM's decode timing there is no t_T, so no model (never a wall-clock stand-in)
+    assert "cost_model" not in vb.summarize(run("no-spec", 10.0), tree, TREE)
+    # interleaved: the decode speedup is the median of same-round ratios
+    rounds_base = vb.merge_rounds([decode_run("no-spec", 10, s, 10) for s in (1.0, 2.0, 4.0)])
+    rounds_tree = vb.merge_rounds([decode_run(TREE.name, 5, s, 10) for s in (0.5, 2.0, 2.0)])
+    assert vb.summarize(rounds_base, rounds_tree, TREE)["decode_speedup"] == 2.0  # ratios 2, 1, 2

@@ -151,6 +151,11 @@ class TreeStats:
     bookkeeping_seconds: float = 0.0  # tree build, walk + chain sampling, KV move, selection (ours, not models)
     steps: int = 0  # engine steps (execute_model + sample_tokens)
     step_seconds: float = 0.0  # their wall time: target forward + vLLM's sampling + the head + ours
+    # Per decoding request-step, as vLLM's inter-token latency counts time (one interval per
+    # request past its prompt per step): steps weighted by how many such requests they serve.
+    decode_request_steps: int = 0
+    decode_verify_seconds: float = 0.0  # sum over steps of decoding requests x (step - drafting)
+    decode_draft_seconds: float = 0.0  # sum over steps of decoding requests x drafting
     budget_steps: dict = field(default_factory=dict)  # adaptive budget: steps each menu entry was drafted ("none", "5,4,8")
     tree_attention_impl: str = ""  # what verifies tree rows (spec_tree_kernels impl: "cpu", "torch", "triton")
 
@@ -571,18 +576,29 @@ class TreeRunnerMixin:
 
     def sample_tokens(self, *args, **kwargs):
         had_trees = bool(self._step_groups)
+        decoding = self._num_decoding_requests()
+        stats = self.tree_stats
         t0 = time.perf_counter()
-        draft_before = self.tree_stats.draft_seconds
+        draft_before = stats.draft_seconds
         out = super().sample_tokens(*args, **kwargs)
         self._commit_verified_trees()  # normally done by propose_draft_token_ids; here if vLLM skipped drafting
         step = self._step_forward + time.perf_counter() - t0
-        self.tree_stats.steps += 1
-        self.tree_stats.step_seconds += step
+        drafting = stats.draft_seconds - draft_before
+        stats.steps += 1
+        stats.step_seconds += step
         if had_trees:
-            self.tree_stats.verify_seconds += step - (self.tree_stats.draft_seconds - draft_before)
+            stats.verify_seconds += step - drafting
+        stats.decode_request_steps += decoding
+        stats.decode_verify_seconds += decoding * (step - drafting)
+        stats.decode_draft_seconds += decoding * drafting
         if self.budget is not None:
             self._record_budget_step(step)
         return out
+
+    def _num_decoding_requests(self) -> int:
+        """Requests of this step past their prompt (computed tokens from before the step)."""
+        batch, R = self.input_batch, self.input_batch.num_reqs
+        return int((batch.num_computed_tokens_cpu[:R] >= batch.num_prompt_tokens[:R]).sum())
 
     def _record_budget_step(self, step_seconds: float) -> None:
         """The adaptive budget learns from this step: the shape drafted for it

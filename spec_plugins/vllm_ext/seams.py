@@ -151,7 +151,8 @@ SEAMS: tuple[Seam, ...] = (
         "discard_request_mask", "requests", "rejection_sampler", "sampler", "drafter", "kv_cache_config",
         "compilation_config", "cache_config")),
     *(Seam(BATCH, a, "attr", why="per-request rows, tokens, block tables") for a in (
-        "req_ids", "req_id_to_index", "token_ids_cpu", "num_computed_tokens_cpu", "block_table", "sampling_metadata")),
+        "req_ids", "req_id_to_index", "token_ids_cpu", "num_computed_tokens_cpu", "num_prompt_tokens", "block_table",
+        "sampling_metadata")),
     Seam(BATCH, "update_async_output_token_ids", "method", "", "called before the tree walk, as vLLM's _sample does"),
     Seam("vllm.v1.worker.block_table:MultiGroupBlockTable", "__getitem__", "method", "idx", "block table per KV group"),
     Seam("vllm.v1.worker.block_table:BlockTable", "block_table", "attr", why="the drafter's block rows"),

@@ -38,6 +38,11 @@ def test_bench_interleave_two_rounds(tmp_path, capsys, monkeypatch):
     # runner stats through the engine-core process: steps and timers summed over both rounds
     assert tree["step_ms"]["target"] > 0 and tree["step_ms"]["head"] > 0
     assert tree["cost_model"]["t_V_over_t_T"] > 0
+    # decode timing (vLLM's inter-token latency histogram) through the engine-core process too
+    assert tree["decode_speedup"] > 0 and tree["cost_model"]["measured_over_predicted"] > 0
+    # the runner weighs its step times by the request-steps vLLM's inter-token latency counts
+    steps = tree["cost_model"]["decode_request_steps"]
+    assert steps["runner"] == steps["vllm"] > 0, steps
     err = capsys.readouterr().err
     assert "2 engines alive, RSS" in err and "GiB still available" in err
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the mode's own setting does not leak
