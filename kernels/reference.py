@@ -455,7 +455,10 @@ def move_accepted_kv(
     moving = (depth <= accept_length[:, None].to(torch.int64)) & (index >= 0) & (index != depth)
     src = verify_slots.gather(1, index.clamp(min=0))[moving]
     dst = verify_slots.gather(1, depth.clamp(max=nodes - 1).expand_as(index))[moving]
+    coords = {}  # block size -> (src block, src offset, dst block, dst offset): once, not per layer
     for cache in caches:
         block = cache.shape[1]
-        rows = cache[src // block, src % block].clone()
-        cache[dst // block, dst % block] = rows
+        if block not in coords:
+            coords[block] = (src // block, src % block, dst // block, dst % block)
+        src_block, src_offset, dst_block, dst_offset = coords[block]
+        cache[dst_block, dst_offset] = cache[src_block, src_offset]  # advanced indexing reads a copy first

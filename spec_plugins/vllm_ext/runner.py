@@ -160,6 +160,17 @@ class TreeStats:
     tree_attention_impl: str = ""  # what verifies tree rows (spec_tree_kernels impl: "cpu", "torch", "triton")
 
 
+def tree_rows(x: torch.Tensor, starts: np.ndarray, T: int) -> torch.Tensor:
+    """[len(starts), T, ...]: rows starts[i] + j (j < T) of x. A view when they
+    are one range in order (one request, or a batch of equal trees: no copy of
+    [B * T, vocab] logits), else a gather."""
+    B = len(starts)
+    if B and np.array_equal(starts, starts[0] + T * np.arange(B)):
+        return x[int(starts[0]): int(starts[0]) + B * T].reshape(B, T, *x.shape[1:])
+    rows = torch.from_numpy(starts).to(x.device)[:, None] + torch.arange(T, device=x.device)
+    return x[rows.flatten()].view(B, T, *x.shape[1:])
+
+
 def chain_spec_decode_metadata(drafts: list[list[int]], device):
     """vLLM SpecDecodeMetadata for logits laid out request by request, each
     request's draft rows followed by its bonus row."""
@@ -444,9 +455,7 @@ class TreeRunnerMixin:
         request: its emitted tokens}); host lists, one copy per group."""
         paths, sampled_tokens = {}, {}
         for T, g in groups.items():
-            rows = torch.from_numpy(first_row[g.rows]).to(logits.device)[:, None] + torch.arange(
-                T, device=logits.device)
-            node_logits = logits[rows.flatten()].view(len(g.rows), T, -1)
+            node_logits = tree_rows(logits, first_row[g.rows], T)
             g.predict = node_logits.argmax(-1).to(torch.int64)  # the extend's next token at each node
             greedy = g.greedy
             if greedy:

@@ -183,6 +183,23 @@ def test_chain_spec_decode_metadata_layout():
     assert md.cu_num_sampled_tokens.tolist() == [3, 4, 6]
 
 
+def test_tree_rows_view_or_gather():
+    """Each tree's T logits rows: a view of the logits when the trees' rows are
+    one range in order (no copy), the same values by gather otherwise."""
+    import numpy as np
+
+    from spec_plugins.vllm_ext.runner import tree_rows
+
+    x = torch.arange(40.0).view(20, 2)
+    in_order = tree_rows(x, np.array([3, 6, 9]), 3)
+    assert in_order.shape == (3, 3, 2) and in_order.data_ptr() == x[3].data_ptr()  # a view
+    assert in_order[2, 1].tolist() == x[10].tolist()
+    for starts in ([0, 7], [6, 3], [3, 6, 10]):  # a gap, out of order, a gap after two in order
+        got = tree_rows(x, np.array(starts), 3)
+        assert got.tolist() == [[x[s + j].tolist() for j in range(3)] for s in starts]
+    assert tree_rows(x, np.array([], dtype=np.int64), 3).shape == (0, 3, 2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kv_views_read_what_vllm_wrote(dtype):
     """K/V views over vLLM's CPU cache agree with its own cache-write op, and
