@@ -386,15 +386,16 @@ def summarize(base: RunResult, res: RunResult, cfg: SpecConfig, peer: RunResult 
         row["step_ms"] = {"target": round(target / n * 1e3, 2), "head": round(head / n * 1e3, 2),
                           "ours": round(ours / n * 1e3, 2), "ours_share": round(ours / r["step_seconds"], 3)}
     if res.decode_seconds and base.decode_seconds:
-        row["decode_speedup"] = round(paired_ratio(res, base, decode_rate), 3)
-    row.update(cost_model(base, res, steps))
+        decode_speedup = paired_ratio(res, base, decode_rate)
+        row["decode_speedup"] = round(decode_speedup, 3)
+        row.update(cost_model(base, res, steps, decode_speedup))
     return row
 
 
-def cost_model(base: RunResult, res: RunResult, num_steps: int) -> dict:
+def cost_model(base: RunResult, res: RunResult, num_steps: int, measured: float) -> dict:
     """{"cost_model": ...}: the book chapter's predicted speedup
     tau / (t_V / t_T + num_steps * c) from measured parts, next to the
-    measured decode speedup ({} without the timings). Decode only on both
+    ``measured`` decode speedup ({} without the timings). Decode only on both
     sides, as the model is, and every time per decoding request-step (the
     unit of vLLM's inter-token latency, so a step serving 8 requests weighs
     8 times one serving 1): t_T is no speculation's engine-core step (its
@@ -404,12 +405,11 @@ def cost_model(base: RunResult, res: RunResult, num_steps: int) -> dict:
     bookkeeping, per draft step, over t_T) come from our runner's timers."""
     r, t_T = res.runner, base.decode_step_seconds
     n = r.get("decode_request_steps")
-    if not (t_T and n and res.tau and res.decode_seconds):
+    if not (t_T and n and res.tau):
         return {}
     t_v = r["decode_verify_seconds"] / n
     c = r["decode_draft_seconds"] / n / (num_steps * t_T)
     predicted = res.tau / (t_v / t_T + num_steps * c)
-    measured = paired_ratio(res, base, decode_rate)
     return {"cost_model": {"t_T_ms": round(t_T * 1e3, 2), "t_V_over_t_T": round(t_v / t_T, 3), "c": round(c, 3),
                            "predicted_speedup": round(predicted, 3),
                            # the same count two ways: a mismatch means the weights above are not vLLM's

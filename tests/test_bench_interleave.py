@@ -172,12 +172,12 @@ def test_bench_cost_model_against_hand_arithmetic():
     = 40 ms; c = 15 ms of drafting / (5 steps * 30 ms) = 0.1; tau = 1 + 10 / 10
     = 2, so predicted = 2 / (4/3 + 5 * 0.1) = 12/11. Measured (decode): 100
     tokens in 2.0 s against 100 in 3.0 s = 1.5, so measured / predicted = 1.5 *
-    11/12 = 1.375. The per-step timers (verify_seconds: one step of 8 s) do
+    11/12 = 1.375. The per-step timers (step_seconds: one step of 8 s) do
     not enter: only the request-weighted ones do."""
     base = decode_run("no-spec", 100, 3.0, 100)
     tree = decode_run(TREE.name, 50, 2.0, 100, drafts=10, accepted=10,
                       runner={"decode_request_steps": 10, "decode_verify_seconds": 0.4, "decode_draft_seconds": 0.15,
-                              "verify_steps": 1, "verify_seconds": 8.0})
+                              "steps": 1, "step_seconds": 8.0, "head_seconds": 0.0, "bookkeeping_seconds": 0.0})
     row = vb.summarize(base, tree, TREE)
     assert row["decode_speedup"] == 1.5
     assert row["cost_model"] == {"t_T_ms": 30.0, "t_V_over_t_T": 1.333, "c": 0.1, "predicted_speedup": 1.091,

@@ -144,7 +144,6 @@ class TreeStats:
     chain_fallbacks: int = 0  # drafts the runner did not draft itself, verified as a chain
     not_speculated: int = 0  # requests left without a tree (sampling, structured output, mid-prefill)
     prefill_chunks: int = 0  # head extends over a prompt chunk that is not the prompt's last
-    verify_seconds: float = 0.0  # target forward + sampling of steps with trees (drafting excluded)
     draft_seconds: float = 0.0  # extend + KV move + tree drafting, all requests of all steps
     draft_calls: int = 0  # steps that drafted
     head_seconds: float = 0.0  # the head's forwards (extend + draft steps), part of draft_seconds
@@ -160,13 +159,22 @@ class TreeStats:
     tree_attention_impl: str = ""  # what verifies tree rows (spec_tree_kernels impl: "cpu", "torch", "triton")
 
 
+def range_start(starts, T: int) -> int | None:
+    """starts[0] when trees of T rows starting at ``starts`` fill one range of
+    rows in order (starts[i] = starts[0] + i * T), else None (also when empty)."""
+    starts = np.asarray(starts)
+    if len(starts) and np.array_equal(starts, starts[0] + T * np.arange(len(starts))):
+        return int(starts[0])
+    return None
+
+
 def tree_rows(x: torch.Tensor, starts: np.ndarray, T: int) -> torch.Tensor:
     """[len(starts), T, ...]: rows starts[i] + j (j < T) of x. A view when they
     are one range in order (one request, or a batch of equal trees: no copy of
     [B * T, vocab] logits), else a gather."""
-    B = len(starts)
-    if B and np.array_equal(starts, starts[0] + T * np.arange(B)):
-        return x[int(starts[0]): int(starts[0]) + B * T].reshape(B, T, *x.shape[1:])
+    B, first = len(starts), range_start(starts, T)
+    if first is not None:
+        return x[first: first + B * T].reshape(B, T, *x.shape[1:])
     rows = torch.from_numpy(starts).to(x.device)[:, None] + torch.arange(T, device=x.device)
     return x[rows.flatten()].view(B, T, *x.shape[1:])
 
@@ -359,7 +367,7 @@ class TreeRunnerMixin:
                                   mask_mode=self.tree_settings.mask_mode, max_context=max(ctxs), tokens=cands,
                                   parents=parents, top1=top1, all_chains=all(p == chain for p in parents),
                                   host_context_lens=ctx_t,
-                                  first_row=q0s[0] if q0s == list(range(q0s[0], q0s[0] + T * len(q0s), T)) else None,
+                                  first_row=range_start(q0s, T),
                                   sampled=[i for i, sampled in enumerate(samples) if sampled])
         self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return groups
@@ -584,7 +592,6 @@ class TreeRunnerMixin:
             self._move_accepted_kv(groups)
 
     def sample_tokens(self, *args, **kwargs):
-        had_trees = bool(self._step_groups)
         decoding = self._num_decoding_requests()
         stats = self.tree_stats
         t0 = time.perf_counter()
@@ -595,8 +602,6 @@ class TreeRunnerMixin:
         drafting = stats.draft_seconds - draft_before
         stats.steps += 1
         stats.step_seconds += step
-        if had_trees:
-            stats.verify_seconds += step - drafting
         stats.decode_request_steps += decoding
         stats.decode_verify_seconds += decoding * (step - drafting)
         stats.decode_draft_seconds += decoding * drafting
