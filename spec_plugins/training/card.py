@@ -105,8 +105,8 @@ def training_lines(kind: HeadKind, info: dict) -> list[str]:
     lines = [
         "## Training",
         "",
-        f"Reproduce: `python -m spec_plugins.training.train --head {kind.value} --recipe` (seeded; both stages below, "
-        "data generated and cached first).",
+        f"Reproduce: `python -m spec_plugins.training.train --head {kind.value} --recipe` (seeded; "
+        f"{'the stages' if 'continued_from' in t else 'the stage'} below, data generated and cached first).",
         "",
     ]
     stages = ([t["continued_from"]] if "continued_from" in t else []) + [t]

@@ -244,8 +244,9 @@ def init_head(kind: str, target, draft_ids: torch.Tensor, seed: int) -> EagleHea
     return head
 
 
-# The shipped heads: stage 1 with greedy-token labels, stage 2 continues from it with soft labels
-# (EAGLE-3) or a heavier classification loss (EAGLE-1). Both read the same data setting.
+# The shipped heads' stages; each continues from the one before: stage 1 with greedy-token labels,
+# stage 2 with soft labels (EAGLE-3) or a heavier classification loss (EAGLE-1). Both read the same
+# data setting.
 RECIPE_DATA = ["--num-prompts", "3000", "--max-new-tokens", "192", "--sampled-fraction", "0.2"]
 RECIPES = {
     "eagle3": [
@@ -264,16 +265,22 @@ RECIPES = {
 
 
 def run_recipe(head: str, out: Path | None) -> int:
-    """Both stages of the shipped head's training, stage 1 into the data cache."""
+    """Every stage of the shipped head's training: the last into ``out``, the
+    ones before into the data cache (``<head>-stage<n>``), each continuing from
+    the one before."""
     from spec_plugins.training import data as data_mod
 
     out = out or HEADS_DIR / SHIPPED[head]
-    stage1 = data_mod.data_dir() / f"{head}-stage1"
-    first, second = RECIPES[head]
-    rc = main(["--head", head, "--out", str(stage1), *first])
-    if rc:
-        return rc
-    return main(["--head", head, "--out", str(out), "--init-from", str(stage1), *second])
+    stages = RECIPES[head]
+    previous = None
+    for n, stage_args in enumerate(stages, 1):
+        folder = out if n == len(stages) else data_mod.data_dir() / f"{head}-stage{n}"
+        rc = main(["--head", head, "--out", str(folder), *(["--init-from", str(previous)] if previous else []),
+                   *stage_args])
+        if rc:
+            return rc
+        previous = folder
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
