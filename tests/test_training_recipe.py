@@ -11,10 +11,11 @@ from spec_plugins.training import train
 
 @pytest.fixture
 def recorded(monkeypatch, tmp_path):
-    calls = []
+    """(calls, tmp_path, set_rc): the argv of every stage run; set_rc(n) makes each stage exit with n."""
+    calls, rc = [], [0]
     monkeypatch.setattr(data_mod, "data_dir", lambda: tmp_path / "cache")
-    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or 0)
-    return calls, tmp_path
+    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or rc[0])
+    return calls, tmp_path, lambda n: rc.__setitem__(0, n)
 
 
 def _flag(argv, name):
@@ -23,7 +24,7 @@ def _flag(argv, name):
 
 @pytest.mark.parametrize("head", sorted(train.RECIPES))
 def test_recipe_chains_its_stages(recorded, head):
-    calls, tmp = recorded
+    calls, tmp, _ = recorded
     out = tmp / "head"
     assert train.run_recipe(head, out) == 0
     stages = train.RECIPES[head]
@@ -35,9 +36,8 @@ def test_recipe_chains_its_stages(recorded, head):
         assert _flag(argv, "--init-from") == (None if n == 1 else _flag(calls[n - 2], "--out"))
 
 
-def test_recipe_stops_at_a_failing_stage(monkeypatch, tmp_path):
-    calls = []
-    monkeypatch.setattr(data_mod, "data_dir", lambda: tmp_path)
-    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or 3)
-    assert train.run_recipe("eagle3", tmp_path / "head") == 3
+def test_recipe_stops_at_a_failing_stage(recorded):
+    calls, tmp, set_rc = recorded
+    set_rc(3)
+    assert train.run_recipe("eagle3", tmp / "head") == 3
     assert len(calls) == 1

@@ -109,7 +109,9 @@ def training_lines(kind: HeadKind, info: dict) -> list[str]:
         f"{'the stages' if 'continued_from' in t else 'the stage'} below, data generated and cached first).",
         "",
     ]
-    stages = ([t["continued_from"]] if "continued_from" in t else []) + [t]
+    stages = [t]  # training_info nests each stage's record in the next one's continued_from
+    while "continued_from" in stages[0]:
+        stages.insert(0, stages[0]["continued_from"])
     for n, st in enumerate(stages, 1):
         lines.append(
             f"- stage {n}{' (continued from stage ' + str(n - 1) + ')' if n > 1 else ''}: "
