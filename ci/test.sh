@@ -18,4 +18,7 @@ bash ci/setup_model_venv.sh
 export SGLANG_SPEC_TREE_PY="${SGLANG_SPEC_TREE_PY:-$(.venv-sglang/bin/python -c 'import importlib.util as u, os; print(os.path.join(u.find_spec("sglang").submodule_search_locations[0], "kernels/ops/speculative/spec_tree.py"))')}"
 .venv/bin/python -m pytest -q -n 2 -p no:cacheprovider tests --ignore=tests/sglang --ignore=tests/model "$@"
 .venv-sglang/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/sglang "$@"
-.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/model "$@"
+.venv-vllm/bin/python -m spec_plugins.models.smollm2 >/dev/null  # convert once, before the workers start
+# 2 workers, one file each at a time (module-scoped engines stay per file): vLLM-CPU engines
+# use one core each (tests/model/conftest.py gives every worker its own)
+.venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/model "$@"

@@ -54,10 +54,16 @@ def is_converted(path: Path | None = None) -> bool:
 
 def ensure_converted(path: Path | None = None, verbose: bool = True) -> Path:
     """The converted folder, converting (and verifying) first if needed."""
+    import fcntl
+
     path = path or model_dir()
     if is_converted(path):
         return path
-    convert(path, verbose=verbose)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers: one converts, the others wait and reuse it
+        if not is_converted(path):
+            convert(path, verbose=verbose)
     return path
 
 

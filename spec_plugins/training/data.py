@@ -207,14 +207,27 @@ def torch_stack(xs, dim):
 
 
 def features(seq_path: Path, out: Path, max_tokens_per_batch: int = 4096) -> None:
+    """Stage 2: the target's features over every sequence of ``seq_path``, saved to ``out``."""
+    import torch
+
+    records = feature_records(load_sequences(seq_path), max_tokens_per_batch)
+    torch.save({"aux_layers": list(EAGLE3_AUX_LAYERS), "records": records}, out.with_suffix(".tmp"))
+    out.with_suffix(".tmp").rename(out)
+
+
+def feature_records(seqs: list[dict], max_tokens_per_batch: int = 4096, model=None) -> list[dict]:
+    """One training record per sequence, in the order of ``seqs``: its token ids
+    [L] int32, ``prompt_len``, ``domain``, ``kind`` and the target's features
+    ``aux`` [L, n_aux, H] and ``final`` [L, H] (fp16). Sequences are batched by
+    length, right padded (causal attention: the padding changes nothing)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from spec_plugins.models.smollm2 import ensure_converted
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(ensure_converted(), dtype=torch.float32).eval()
-    seqs = load_sequences(seq_path)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(ensure_converted(), dtype=torch.float32).eval()
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]["prompt_ids"]) + len(seqs[i]["response_ids"]))
     records = [None] * len(seqs)
     t0 = time.time()
@@ -237,7 +250,7 @@ def features(seq_path: Path, out: Path, max_tokens_per_batch: int = 4096) -> Non
                 t = s["prompt_ids"] + s["response_ids"]
                 ids[b, : len(t)] = torch.tensor(t)
                 mask[b, : len(t)] = 1
-            _, aux, final = target_features(model, ids, attention_mask=mask)  # right padding: causal, exact
+            _, aux, final = target_features(model, ids, attention_mask=mask)
             for b, k in enumerate(order[i:j]):
                 n = int(mask[b].sum())
                 s = seqs[k]
@@ -255,8 +268,7 @@ def features(seq_path: Path, out: Path, max_tokens_per_batch: int = 4096) -> Non
             if i == len(order) or (i // len(batch)) % 20 == 0:
                 print(f"[data] features {i}/{len(seqs)} sequences, {done} tokens, {done / el:.0f} tok/s, {el:.0f}s",
                       flush=True)
-    torch.save({"aux_layers": list(EAGLE3_AUX_LAYERS), "records": records}, out.with_suffix(".tmp"))
-    out.with_suffix(".tmp").rename(out)
+    return records
 
 
 def prepare(num_prompts: int, max_new_tokens: int, seed: int, sampled_fraction: float,

@@ -128,8 +128,10 @@ def shift(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def unrolled_loss(head: EagleHead, ids, length, prompt_len, aux, final, unroll: int, t2d, subset, ce_weight=0.1,
-                  soft: bool = False):
-    """The training-time-test loss over a batch; returns (loss, stats per step)."""
+                  soft: bool = False, observe=None):
+    """The training-time-test loss over a batch; returns (loss, stats per step).
+    ``observe(j, hidden, valid)``, when given, sees each step's output hidden
+    [B, L, H] and the mask [B, L] of chains whose step j predicts an answer token."""
     B, L = ids.shape
     pos = torch.arange(L)[None, :].expand(B, L)
     attn = head.layer.self_attn
@@ -155,6 +157,8 @@ def unrolled_loss(head: EagleHead, ids, length, prompt_len, aux, final, unroll: 
         tpos = pos + j + 2
         valid = (tpos < length[:, None]) & (tpos >= prompt_len[:, None])
         w = 0.8**j
+        if observe is not None:
+            observe(j, hidden, valid)
         if head.c.kind == "eagle3":
             loss, step_stats = _eagle3_step_loss(head, hidden, label, valid, final, j, t2d, subset, soft)
         else:
@@ -358,15 +362,20 @@ class Split:
     val_cov: float  # held-out coverage of the chosen vocabulary
 
 
+def split_indices(n: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training, held-out) indices of ``n`` sequences: 5% held out, by ``seed``."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, n // 20)
+    return order[n_val:], order[:n_val]
+
+
 def split_and_choose_vocab(records, vocab: int, seed: int, draft_vocab: int | None = None) -> Split:
     """Hold out 5% of the sequences to measure coverage and accuracy honestly;
     choose the draft vocabulary from the rest."""
-    rng = random.Random(seed)
-    order = list(range(len(records)))
-    rng.shuffle(order)
-    n_val = max(1, len(records) // 20)
-    val = [records[i] for i in order[:n_val]]
-    train = [records[i] for i in order[n_val:]]
+    train_idx, val_idx = split_indices(len(records), seed)
+    val = [records[i] for i in val_idx]
+    train = [records[i] for i in train_idx]
     train_counts, val_counts = token_counts(train, vocab), token_counts(val, vocab)
     by_domain = {"all": val_counts, **{d: token_counts(rs, vocab) for d, rs in by_domain_of(val).items()}}
     size, draft_ids, coverage = choose_draft_vocab(train_counts, by_domain, size=draft_vocab)
