@@ -39,10 +39,9 @@ def test_agreement_counts_hits_coverage_and_confidence_buckets():
                          confident(1, 0.8), confident(0, 0.4)])[None]
     valid = torch.tensor([[True, True, True, True, False, False]])
     agreement = Agreement(StandInHead([0, 1, 2]), torch.eye(V), unroll=1)  # token 3 outside the draft vocab
-    agreement.final = final
     hidden = shift(final, 1).clone()
     hidden[0, 0] = confident(0, 0.9)  # position 0: the target's top-1 is 1, the head proposes 0
-    agreement.observe(0, hidden, valid)
+    agreement.observe(0, hidden, valid, final)
     s = agreement.summary()
     assert s["positions"] == 4
     # position 0 miss; 1 agree (both 2); 2 target 3 outside draft vocab -> miss; 3 agree (both 1)
@@ -60,10 +59,9 @@ def test_agreement_is_perfect_for_a_head_that_copies_the_target_at_every_step():
     valid = torch.ones(2, 7, dtype=torch.bool)
     valid[:, -3:] = False  # past the end of the shifted features (zeros: both sides would pick token 0)
     agreement = Agreement(StandInHead(list(range(V))), torch.eye(V), unroll=3)
-    agreement.final = final
     for j in range(3):
-        agreement.observe(j, shift(final, j + 1), valid)
-        agreement.observe(j, -shift(final, j + 1), valid)  # the opposite pick: never the target's top-1
+        agreement.observe(j, shift(final, j + 1), valid, final)
+        agreement.observe(j, -shift(final, j + 1), valid, final)  # the opposite pick: never the target's top-1
     assert agreement.summary()["agreement_by_step"] == [0.5, 0.5, 0.5]
 
 
@@ -78,3 +76,34 @@ def test_split_indices_hold_out_five_percent_disjointly():
     train, held_out = split_indices(3840, seed=0)
     assert len(held_out) == 192 and sorted(train + held_out) == list(range(3840))
     assert split_indices(3840, seed=0) == (train, held_out)
+
+
+def test_summed_counts_equal_one_pass_over_all_positions():
+    torch.manual_seed(1)
+    final, noise = torch.randn(2, 9, V), torch.randn(2, 9, V)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[:, -2:] = False
+    hidden = shift(final, 1) + noise  # agrees at some positions only
+    head, lm_head = StandInHead([0, 1, 3]), torch.eye(V)
+    whole = Agreement(head, lm_head, unroll=1)
+    whole.observe(0, hidden, valid, final)
+    total = Agreement(head, lm_head, unroll=1)
+    for b in range(2):  # one sequence at a time, as measure_by_domain sums its domains
+        part = Agreement(head, lm_head, unroll=1)
+        part.observe(0, hidden[b : b + 1], valid[b : b + 1], final[b : b + 1])
+        total += part
+    assert total.summary() == whole.summary()
+    assert 0 < whole.summary()["agreement_by_step"][0] < 1
+
+
+def test_sequences_read_from_jsonl_and_gzip_alike(tmp_path):
+    import gzip
+    import json
+
+    from spec_plugins.training.data import load_sequences
+
+    records = [{"prompt_ids": [1, 2], "response_ids": [3]}, {"prompt_ids": [4], "response_ids": [5, 6]}]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    (tmp_path / "s.jsonl").write_text(text)
+    (tmp_path / "s.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    assert load_sequences(tmp_path / "s.jsonl") == load_sequences(tmp_path / "s.jsonl.gz") == records

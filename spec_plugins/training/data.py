@@ -164,9 +164,11 @@ def generate(out: Path, meta: dict) -> None:
 
 
 def load_sequences(path: Path, complete_only: bool = False) -> list[dict]:
-    """The records of a sequences file; ``complete_only``: a partial file, whose
-    last line may have been cut by an interrupted run (dropped)."""
-    lines = path.read_text().splitlines()
+    """The records of a sequences file (``.jsonl`` or ``.jsonl.gz``); ``complete_only``:
+    a partial file, whose last line may have been cut by an interrupted run (dropped)."""
+    import gzip
+
+    lines = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()).splitlines()
     if complete_only and lines:
         try:
             json.loads(lines[-1])

@@ -25,7 +25,6 @@ data; the chains are teacher-forced on the data's tokens, as in training.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import sys
@@ -36,12 +35,6 @@ import torch
 # Target top-1 probability buckets: [lower, upper) each.
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0001)
 SHIPPED_SEQUENCES = Path(__file__).resolve().parents[2] / "results/2026-12-01/train_data_p3000/sequences.jsonl.gz"
-
-
-def read_sequences(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 class Agreement:
@@ -58,13 +51,14 @@ class Agreement:
         self.covered = torch.zeros(unroll)
         nb = len(CONFIDENCE_EDGES) - 1
         self.bucket_n, self.bucket_agree = torch.zeros(nb), torch.zeros(nb)
-        self.final = None  # the batch's target final hidden [B, L, H], set per batch
 
-    def observe(self, j: int, hidden: torch.Tensor, valid: torch.Tensor) -> None:
-        """Step j's chain at b predicts the target's next token after position b + j + 1."""
+    def observe(self, j: int, hidden: torch.Tensor, valid: torch.Tensor, final: torch.Tensor) -> None:
+        """Step j's chain at b (output ``hidden`` [B, L, H], ``valid`` [B, L]) predicts
+        the target's next token after position b + j + 1 (``final`` [B, L, H]: the
+        batch's target final hidden)."""
         from spec_plugins.training.train import shift
 
-        target_p = (shift(self.final, j + 1)[valid].float() @ self.lm_head.T).softmax(-1)
+        target_p = (shift(final, j + 1)[valid].float() @ self.lm_head.T).softmax(-1)
         conf, target_top1 = target_p.max(-1)
         head_top1 = self.draft_to_target[self.head.logits(hidden[valid]).argmax(-1)]
         hit = head_top1 == target_top1
@@ -75,6 +69,11 @@ class Agreement:
             bucket = torch.bucketize(conf, torch.tensor(CONFIDENCE_EDGES[1:-1]), right=True)
             self.bucket_n += torch.bincount(bucket, minlength=len(self.bucket_n)).float()
             self.bucket_agree += torch.bincount(bucket[hit], minlength=len(self.bucket_n)).float()
+
+    def __iadd__(self, other: "Agreement") -> "Agreement":
+        for name in ("n", "agree", "covered", "bucket_n", "bucket_agree"):
+            getattr(self, name).add_(getattr(other, name))
+        return self
 
     def summary(self) -> dict:
         labels = [f"[{lo:.1f}, {min(hi, 1.0):.1f}{']' if hi > 1 else ')'}"
@@ -90,21 +89,31 @@ class Agreement:
         }
 
 
-def measure(head, records: list[dict], lm_head: torch.Tensor, unroll: int, tokens_per_batch: int) -> dict:
-    """Agreement statistics of ``head`` over feature ``records``."""
-    from spec_plugins.training.train import collate, make_batches, unrolled_loss
+def measure(head, records: list[dict], lm_head: torch.Tensor, unroll: int, tokens_per_batch: int) -> Agreement:
+    """The agreement counts of ``head`` over feature ``records``."""
+    from spec_plugins.training.train import collate, make_batches, target_to_draft, unrolled_loss
 
     agreement = Agreement(head, lm_head, unroll)
-    t2d = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
     subset = agreement.draft_to_target
-    t2d[subset] = torch.arange(len(subset))
+    t2d = target_to_draft(subset, lm_head.shape[0])
     with torch.no_grad():
         for batch in make_batches(records, tokens_per_batch, random.Random(0)):
             ids, length, prompt_len, aux, final = collate(records, batch)
-            agreement.final = final
             unrolled_loss(head, ids, length, prompt_len, aux, final, unroll, t2d, subset,
-                          observe=agreement.observe)
-    return agreement.summary()
+                          observe=lambda j, hidden, valid: agreement.observe(j, hidden, valid, final))
+    return agreement
+
+
+def measure_by_domain(head, records: list[dict], lm_head: torch.Tensor, unroll: int,
+                      tokens_per_batch: int) -> tuple[Agreement, dict]:
+    """(counts over all ``records``, {domain: counts}): one pass per domain, summed for all."""
+    from spec_plugins.training.train import by_domain_of
+
+    per_domain = {d: measure(head, rs, lm_head, unroll, tokens_per_batch) for d, rs in by_domain_of(records).items()}
+    total = Agreement(head, lm_head, unroll)
+    for agreement in per_domain.values():
+        total += agreement
+    return total, per_domain
 
 
 def loss_trend(history: list[dict]) -> dict:
@@ -125,11 +134,11 @@ def analyse(head_dir: Path, sequences: Path, unroll: int, tokens_per_batch: int,
 
     from spec_plugins.heads import load_head
     from spec_plugins.models.smollm2 import ensure_converted
-    from spec_plugins.training.data import feature_records
-    from spec_plugins.training.train import by_domain_of, split_indices
+    from spec_plugins.training.data import feature_records, load_sequences
+    from spec_plugins.training.train import split_indices
 
     info = json.loads((head_dir / "training.json").read_text())
-    seqs = read_sequences(sequences)
+    seqs = load_sequences(sequences)
     expected = info["data"]["train_sequences"] + info["data"]["held_out_sequences"]
     if len(seqs) != expected:
         raise SystemExit(f"{sequences} has {len(seqs)} sequences; {head_dir} was trained on {expected}: "
@@ -142,14 +151,13 @@ def analyse(head_dir: Path, sequences: Path, unroll: int, tokens_per_batch: int,
     print(f"[gap] features of {len(val_idx)} held-out and {len(sample_idx)} training sequences", flush=True)
     held_out = feature_records([seqs[i] for i in val_idx], model=target)
     trained_on = feature_records([seqs[i] for i in sample_idx], model=target)
-    out = {"head": head_dir.name, "kind": info["kind"], "sequences": str(sequences), "unroll": unroll,
-           "held_out": measure(head, held_out, lm_head, unroll, tokens_per_batch),
-           "training_sample": measure(head, trained_on, lm_head, unroll, tokens_per_batch),
-           "held_out_by_domain": {d: measure(head, rs, lm_head, unroll, tokens_per_batch)["agreement_by_step"]
-                                  for d, rs in by_domain_of(held_out).items()},
-           "training_loss": loss_trend(info["history"]),
-           "training_minutes": info["train"].get("minutes_total", info["train"]["minutes"])}
-    return out
+    held_out_all, held_out_domains = measure_by_domain(head, held_out, lm_head, unroll, tokens_per_batch)
+    return {"head": head_dir.name, "kind": info["kind"], "sequences": str(sequences), "unroll": unroll,
+            "held_out": held_out_all.summary(),
+            "training_sample": measure(head, trained_on, lm_head, unroll, tokens_per_batch).summary(),
+            "held_out_by_domain": {d: a.summary()["agreement_by_step"] for d, a in held_out_domains.items()},
+            "training_loss": loss_trend(info["history"]),
+            "training_minutes": info["train"].get("minutes_total", info["train"]["minutes"])}
 
 
 def report(r: dict) -> str:
@@ -167,7 +175,8 @@ def report(r: dict) -> str:
              f"{1 - ho['target_top1_in_draft_vocab_by_step'][0]:.3f}",
              "flat target: held-out step 0 by the target's top-1 probability (share of positions, agreement):"]
     for lab, b in ho["step0_by_target_confidence"].items():
-        lines.append(f"  p {lab}: {b['share']:.3f}, {b['agreement'] if b['agreement'] is None else round(b['agreement'], 3)}")
+        agreement = "-" if b["agreement"] is None else f"{b['agreement']:.3f}"
+        lines.append(f"  p {lab}: {b['share']:.3f}, {agreement}")
     t = r["training_loss"]
     lines.append(f"training compute: loss EMA {t['ema_at_50%']} -> {t['ema_at_75%']} -> {t['ema_at_end']} "
                  f"at 50/75/100% of {r['training_minutes']} min (fell {100 * t['fall_over_last_quarter']:.1f}% "

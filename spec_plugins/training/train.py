@@ -82,6 +82,13 @@ def choose_draft_vocab(train_counts: torch.Tensor, held_out_counts: dict, sizes=
     return size, ids, coverage
 
 
+def target_to_draft(draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[vocab] int64: each target token's index in the draft vocabulary ``draft_ids``, -1 outside it."""
+    t2d = torch.full((vocab,), -1, dtype=torch.long)
+    t2d[draft_ids] = torch.arange(len(draft_ids))
+    return t2d
+
+
 def make_batches(records, max_tokens: int, rng: random.Random):
     idx = sorted(range(len(records)), key=lambda i: len(records[i]["ids"]))
     batches, cur, cur_len = [], [], 0
@@ -557,8 +564,7 @@ def main(argv=None) -> int:
     split = split_and_choose_vocab(records, vocab, args.seed, args.draft_vocab)
     head, split, prior = load_or_init_head(args, target, split)
 
-    t2d = torch.full((vocab,), -1, dtype=torch.long)
-    t2d[split.draft_ids] = torch.arange(len(split.draft_ids))
+    t2d = target_to_draft(split.draft_ids, vocab)
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
