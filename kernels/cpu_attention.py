@@ -95,6 +95,8 @@ def build(compiler: str | None = None) -> bool:
     lib.spec_tree_attention_f32.restype = None
     lib.spec_tree_attention_workspace.argtypes = [i64, i64, i64]
     lib.spec_tree_attention_workspace.restype = i64
+    lib.spec_tree_attention_lanes.argtypes = []
+    lib.spec_tree_attention_lanes.restype = i64
     lib.spec_branch_attention_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64,
                                               i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, f32, ptr, ptr]
     lib.spec_branch_attention_f32.restype = None
@@ -102,6 +104,12 @@ def build(compiler: str | None = None) -> bool:
     lib.spec_branch_attention_workspace.restype = i64
     _lib, _error = lib, None
     return True
+
+
+def register_block_floats() -> int:
+    """Floats per register block of the built kernel: one vector register of the
+    build CPU (16 with AVX-512, 8 with AVX2, 4 otherwise; ``build()`` first)."""
+    return int(_lib.spec_tree_attention_lanes())
 
 
 def available() -> bool:

@@ -711,6 +711,22 @@ def test_cpu_kernel_result_does_not_depend_on_the_thread_count(host_kernel):
     assert_close(two, p.dense(), torch.float32)
 
 
+def _cpu_flags() -> set[str]:
+    line = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith(("flags", "Features"))), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@needs_cc
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="no /proc/cpuinfo to read the CPU's vector width from")
+def test_cpu_kernel_register_block_is_one_vector_register(host_kernel):
+    """The kernel's accumulators are sized for one vector register of this CPU:
+    16-float blocks built for an AVX2 CPU spill every accumulator (7-9x slower,
+    results/2026-12-03/cpu_tree_attention)."""
+    flags = _cpu_flags()
+    expected = 16 if "avx512f" in flags else 8 if "avx" in flags else 4
+    assert cpu_attention.register_block_floats() == expected
+
+
 @needs_cc
 def test_cpu_kernel_falls_back_to_torch_for_other_dtypes(host_kernel):
     p = finite_problem("random", 6, [5, 33], seed=7, dtype=torch.bfloat16)

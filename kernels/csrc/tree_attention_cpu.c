@@ -40,9 +40,25 @@
 #include <omp.h>
 #endif
 
-#define LANES 16  /* floats per register block (one AVX-512 vector, two AVX2 ones) */
-#define ROWS 8    /* query rows per unit: ROWS accumulators + one K load fit the registers */
-#define PV_ROWS 4 /* rows per probs . V pass: PV_ROWS x 4 accumulators + 4 V loads */
+/* One register block is one vector register of the build CPU (-march=native), so the
+ * accumulators below stay in registers: ROWS + 2 vectors in the score loop, PV_ROWS x 4 + 4
+ * in the probs . V loop, against 32 vector registers (AVX-512, AArch64) or 16 (AVX2, SSE).
+ * A block wider than a register spills every accumulator: 16-float blocks on an AVX2 CPU
+ * ran 7-9x slower than 8-float ones (results/2026-12-03/cpu_tree_attention). */
+#if defined(__AVX512F__)
+#define LANES 16  /* floats per register block */
+#define PV_ROWS 4 /* rows per probs . V pass */
+#elif defined(__AVX__)
+#define LANES 8
+#define PV_ROWS 2
+#elif defined(__aarch64__)
+#define LANES 4
+#define PV_ROWS 4
+#else
+#define LANES 4
+#define PV_ROWS 2
+#endif
+#define ROWS 8    /* query rows per unit: each K vector loaded serves ROWS rows */
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));  /* GCC/Clang vector extension */
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
@@ -97,6 +113,9 @@ static inline float hsum(vec x) {
     for (int l = 0; l < LANES; ++l) s += x[l];
     return s;
 }
+
+/* The register block this build chose (floats), for the startup report and its test. */
+int64_t spec_tree_attention_lanes(void) { return LANES; }
 
 int64_t spec_tree_attention_workspace(int64_t nb, int64_t block_size, int64_t D) {
     return (int64_t)max_threads() * (ROWS * nb * block_size + ROWS * D);
