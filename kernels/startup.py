@@ -43,6 +43,9 @@ def prepare(device) -> dict[str, str]:
                                    f"{cpu_attention.build_error()}")
             logger.info("spec_tree_kernels: the host tree attention kernel did not build (torch serves): %s",
                         cpu_attention.build_error())
+        else:
+            logger.info("spec_tree_kernels: host tree attention kernel built, %d-float register blocks",
+                        cpu_attention.register_block_floats())
     impls = {op: resolve_impl(op, "auto", device) for op in _AUTO_PREFERENCE}
     logger.info("spec_tree_kernels on %s: %s", device, impls)
     return impls

@@ -114,7 +114,7 @@ static inline float hsum(vec x) {
     return s;
 }
 
-/* The register block this build chose (floats), for the startup report and its test. */
+/* The register block this build chose (floats): the startup log, the kernel bench and a test read it. */
 int64_t spec_tree_attention_lanes(void) { return LANES; }
 
 int64_t spec_tree_attention_workspace(int64_t nb, int64_t block_size, int64_t D) {

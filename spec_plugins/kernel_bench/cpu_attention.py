@@ -96,7 +96,8 @@ def main(argv=None) -> int:
 
     if not cpu_attention.build():
         raise SystemExit(f"the host kernel did not build: {cpu_attention.build_error()}")
-    print(f"torch threads {torch.get_num_threads()}; one layer, 8 tree nodes per request, median us")
+    print(f"torch threads {torch.get_num_threads()}; host kernel register block "
+          f"{cpu_attention.register_block_floats()} floats; one layer, 8 tree nodes per request, median us")
     print("| batch | context | torch | cpu (host kernel) | vLLM causal | torch / cpu | vLLM / cpu | cpu max abs err |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch:
