@@ -711,20 +711,20 @@ def test_cpu_kernel_result_does_not_depend_on_the_thread_count(host_kernel):
     assert_close(two, p.dense(), torch.float32)
 
 
-def _cpu_flags() -> set[str]:
-    line = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith(("flags", "Features"))), "")
-    return set(line.split(":", 1)[-1].split())
+def _native_vector_floats() -> int:
+    """Floats per vector register of the CPU the kernel is built for, as the
+    compiler sees it under the kernel's -march=native (its predefined macros)."""
+    macros = subprocess.run([cpu_attention.find_compiler(), "-march=native", "-dM", "-E", "-x", "c", os.devnull],
+                            check=True, capture_output=True, text=True).stdout.split()
+    return 16 if "__AVX512F__" in macros else 8 if "__AVX__" in macros else 4
 
 
 @needs_cc
-@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="no /proc/cpuinfo to read the CPU's vector width from")
 def test_cpu_kernel_register_block_is_one_vector_register(host_kernel):
     """The kernel's accumulators are sized for one vector register of this CPU:
     16-float blocks built for an AVX2 CPU spill every accumulator (7-9x slower,
     results/2026-12-03/cpu_tree_attention)."""
-    flags = _cpu_flags()
-    expected = 16 if "avx512f" in flags else 8 if "avx" in flags else 4
-    assert cpu_attention.register_block_floats() == expected
+    assert cpu_attention.register_block_floats() == _native_vector_floats()
 
 
 @needs_cc
