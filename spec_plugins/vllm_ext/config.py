@@ -93,8 +93,8 @@ def parse_tree_settings(raw) -> TreeSettings:
         if isinstance(v, bool) or not isinstance(v, int):
             raise TreeConfigError(f"spec_tree {key} must be an integer, got {v!r}")
         values[key] = v
-    if "num_draft_tokens" not in values and values.get("topk") == 1 and "num_steps" in values:
-        values["num_draft_tokens"] = values["num_steps"] + 1  # a chain of num_steps
+    if "num_draft_tokens" not in values and values.get("topk") == 1:  # a chain of num_steps
+        values["num_draft_tokens"] = values.get("num_steps", DEFAULT_SHAPE.num_steps) + 1
     merged = {**asdict(DEFAULT_SHAPE), **values}
     try:
         shape = TreeShape(**merged)
@@ -151,10 +151,27 @@ def head_method(path: str) -> str:
     module's head-kind rule (``spec_tree_kernels.head_kinds.head_kind``) in vLLM's spelling."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
-        raise TreeConfigError(
-            f"--speculative-draft-model-path {path!r}: no config.json there (a local head folder is needed to "
-            "tell EAGLE-1 from EAGLE-3; or pass --speculative-config with an explicit method)")
+        raise TreeConfigError(f"draft head {path!r}: no config.json there")
     return head_kind(json.loads(cfg_path.read_text())).vllm_method
+
+
+def detect_head_method(model: str, revision: str | None = None, code_revision: str | None = None,
+                       trust_remote_code: bool = False) -> str:
+    """"eagle3" or "eagle" for a head named as vLLM names ``speculative_config.model``:
+    a local folder or a hub id (with its revision), read through vLLM's own
+    config loader (``vllm.transformers_utils.config.get_config``, the one that
+    builds the head's ModelConfig), then the kernel module's head-kind rule."""
+    from vllm.transformers_utils.config import get_config
+
+    try:
+        hf_config = get_config(model, trust_remote_code=trust_remote_code, revision=revision,
+                               code_revision=code_revision)
+    except Exception as e:  # noqa: BLE001 - any loader failure is reported with the head named
+        at = f" at revision {revision!r}" if revision else ""
+        raise TreeConfigError(f"draft head {model!r}{at}: vLLM cannot read its config ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else e!r}); give a local head folder with a "
+                              "config.json or a hub id vLLM can load") from None
+    return head_kind(hf_config.to_dict()).vllm_method
 
 
 def settings_from_vllm_config(vllm_config) -> TreeSettings | None:
@@ -167,31 +184,39 @@ def settings_from_vllm_config(vllm_config) -> TreeSettings | None:
 # ------------------------------------------------------------ engine arguments
 
 
+HEAD_SPELLINGS = ("--speculative-draft-model-path HEAD, --spec-model HEAD or --speculative-config "
+                  "'{\"model\": \"HEAD\"}'")
+# vLLM 0.33's short speculative flags: (flag, EngineArgs field, speculative_config key). vLLM merges
+# them in create_speculative_config, after our checks; prepare_engine_args merges them first.
+VLLM_SPEC_FLAGS = (("--spec-method", "spec_method", "method"), ("--spec-model", "spec_model", "model"),
+                   ("--spec-tokens", "spec_tokens", "num_speculative_tokens"))
+
+
 def prepare_engine_args(engine_args) -> TreeSettings | None:
     """Before vLLM builds its config: fill what tree mode needs into EngineArgs.
 
-    Sets num_speculative_tokens = T - 1 (or checks it), the tree worker
-    class, async scheduling off; refuses what the tree cannot serve.
-    Returns None (and changes nothing) when spec_tree is not requested.
+    Merges vLLM 0.33's ``--spec-*`` flags, reads the head's kind when no method
+    is given, reconciles num_speculative_tokens with the tree (see
+    ``settings_with_spec_tokens``) and then sets it to T - 1 (the draft slots
+    vLLM verifies), sets the tree worker class and async scheduling off;
+    refuses what the tree cannot serve. Idempotent. Returns None (and changes
+    nothing) when spec_tree is not requested.
     """
     extra = engine_args.additional_config or {}
     if SPEC_TREE_KEY not in extra:
         return None
-    settings = parse_tree_settings(extra[SPEC_TREE_KEY])
+    spec = merge_spec_flags(engine_args)
+    settings = settings_with_spec_tokens(extra[SPEC_TREE_KEY], spec.get("num_speculative_tokens"))
     engine_args.additional_config = {**extra, SPEC_TREE_KEY: settings.as_dict()}
-    spec = dict(engine_args.speculative_config or {})
-    method = spec.get("method")
-    if method not in VLLM_METHODS:
+    if spec.get("method") not in (None, *VLLM_METHODS):
         raise TreeConfigError(
             f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), "
-            f"got method={method!r}")
+            f"got method={spec['method']!r}")
     if not spec.get("model"):
-        raise TreeConfigError("spec_tree needs speculative_config['model'] (the draft head)")
-    given = spec.get("num_speculative_tokens")
-    if given is not None and given != settings.num_spec_tokens:
-        raise TreeConfigError(
-            f"num_speculative_tokens={given} but spec_tree num_draft_tokens={settings.shape.num_draft_tokens}: "
-            f"it must equal num_draft_tokens - 1 = {settings.num_spec_tokens} (or be left out)")
+        raise TreeConfigError(f"spec_tree needs a draft head (EAGLE-1 or EAGLE-3): {HEAD_SPELLINGS}")
+    if spec.get("method") is None:  # vLLM itself guesses from the name only ("eagle3" in it): read the config
+        spec["method"] = detect_head_method(spec["model"], spec.get("revision"), spec.get("code_revision"),
+                                            bool(getattr(engine_args, "trust_remote_code", False)))
     if spec.get("disable_padded_drafter_batch"):
         raise TreeConfigError(
             "speculative_config disable_padded_drafter_batch=True is not supported with spec_tree (vLLM then hands "
@@ -222,6 +247,54 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     if wanted == GPU_WORKER:
         prepare_gpu_engine_args(engine_args)
     return settings
+
+
+def merge_spec_flags(engine_args) -> dict:
+    """``speculative_config`` with vLLM 0.33's ``--spec-method / --spec-model /
+    --spec-tokens`` merged in, by vLLM's own rule (a key given both ways is an
+    error); the flags are then cleared so vLLM does not merge them again."""
+    spec = {str(k).replace("-", "_"): v for k, v in (engine_args.speculative_config or {}).items()}
+    for flag, field_name, key in VLLM_SPEC_FLAGS:
+        value = getattr(engine_args, field_name, None)
+        if value is None:
+            continue
+        if spec.get(key, value) != value:
+            raise TreeConfigError(f"{flag} {value!r} disagrees with {key}={spec[key]!r} given by --speculative-config "
+                                  "or --speculative-draft-model-path; give it once")
+        spec[key] = value
+        setattr(engine_args, field_name, None)
+    return spec
+
+
+def settings_with_spec_tokens(raw, num_speculative_tokens) -> TreeSettings:
+    """The tree settings, reconciled with a ``num_speculative_tokens`` N the user gave.
+
+    vLLM's N is its chain's length, which for a tree is two numbers: the
+    draft tokens verified per step (num_draft_tokens - 1) and the depth
+    (num_steps). N equal to the tree's num_draft_tokens - 1 changes nothing;
+    otherwise N is the depth: it sets num_steps when the tree settings do not
+    give it, and must equal it when they do. With budget='auto' the shape
+    changes per step: N must be left out (or be the menu's largest num_draft_tokens - 1).
+    """
+    raw = {} if raw is True or raw is None else raw
+    settings = parse_tree_settings(raw)
+    given = num_speculative_tokens
+    if given is None or given == settings.num_spec_tokens:
+        return settings
+    if settings.menu is not None:
+        raise TreeConfigError(f"num_speculative_tokens={given} with spec_tree budget='auto': the budget picks the "
+                              "tree per step from its menu; leave num_speculative_tokens out")
+    if isinstance(raw, dict) and raw.get("num_steps") is not None:
+        if given == settings.shape.num_steps:
+            return settings
+        raise TreeConfigError(
+            f"num_speculative_tokens={given}: with spec_tree it is the tree's depth num_steps="
+            f"{settings.shape.num_steps} (or the draft tokens verified per step, num_draft_tokens - 1 = "
+            f"{settings.num_spec_tokens}); set one of those or leave it out")
+    try:
+        return parse_tree_settings({**raw, "num_steps": given})
+    except TreeConfigError as e:
+        raise TreeConfigError(f"num_speculative_tokens={given} sets the tree's depth (num_steps): {e}") from None
 
 
 VOCAB_PADDING = 64  # vllm/model_executor/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
@@ -270,6 +343,16 @@ def prepare_gpu_engine_args(engine_args) -> None:
         raise TreeConfigError(f"attention_backend={backend!r}: spec_tree verifies through its own backend "
                               "(registered as CUSTOM); leave attention_backend unset")
     engine_args.attention_backend = "CUSTOM"
+    # vLLM builds the head's config apart (LLMBaseProposer._create_draft_vllm_config) with the
+    # backend reset to speculative_config.attention_backend: unset, the selector would give the
+    # head FlashAttention, which neither computes the head's tree rows nor reads BranchAttention.
+    spec = dict(engine_args.speculative_config or {})
+    draft_backend = spec.get("attention_backend")
+    if draft_backend not in (None, "CUSTOM") and getattr(draft_backend, "name", None) != "CUSTOM":
+        raise TreeConfigError(f"speculative_config attention_backend={draft_backend!r}: spec_tree drafts through "
+                              "its own backend (registered as CUSTOM); leave it unset")
+    spec["attention_backend"] = "CUSTOM"
+    engine_args.speculative_config = spec
     # A full CUDA graph would replay attention without the tree rows; piecewise
     # graphs leave attention (a splitting op) eager.
     compilation = engine_args.compilation_config
@@ -402,7 +485,10 @@ CLI_FLAGS = {
     "--speculative-algorithm": ("speculative_algorithm", str,
                                 f"{CLI_ALGORITHM} turns on spec-plugins' tree EAGLE (SGLang's flag name)."),
     "--speculative-draft-model-path": ("speculative_draft_model_path", str,
-                                       "EAGLE-1 or EAGLE-3 head folder (kind read from its config.json)."),
+                                       "EAGLE-1 or EAGLE-3 head: a local folder or a hub id (kind read from its "
+                                       "config through vLLM's loader)."),
+    "--speculative-draft-model-revision": ("speculative_draft_model_revision", str,
+                                           "The head's revision on the hub (branch, tag or commit)."),
     "--speculative-num-steps": ("speculative_num_steps", int, "Tree depth (default 5)."),
     "--speculative-eagle-topk": ("speculative_eagle_topk", int, "Branching per draft step (default 4; 1 = chain)."),
     "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int,
@@ -426,7 +512,12 @@ def add_cli_flags(parser) -> None:
 
 
 def apply_cli_flags(engine_args, namespace) -> None:
-    """Translate the tree flags in ``namespace`` into EngineArgs fields."""
+    """Translate the tree flags in ``namespace`` into EngineArgs fields.
+
+    The head may come from --speculative-draft-model-path, from
+    --speculative-config's "model" or from vLLM 0.33's --spec-model: given
+    twice it must be the same head. Its kind is read later, in
+    ``prepare_engine_args`` (a hub id needs vLLM's config loader)."""
     algo = getattr(namespace, "speculative_algorithm", None)
     tree_flags = {k: getattr(namespace, dest, None) for k, (dest, _, _) in CLI_FLAGS.items()}
     if algo is None:
@@ -437,12 +528,16 @@ def apply_cli_flags(engine_args, namespace) -> None:
     if algo.upper() != CLI_ALGORITHM:
         raise TreeConfigError(f"--speculative-algorithm {algo!r}: spec-plugins adds only {CLI_ALGORITHM} "
                               "to vLLM (other methods: --speculative-config)")
-    head = getattr(namespace, "speculative_draft_model_path", None)
-    if not head:
-        raise TreeConfigError(f"--speculative-algorithm {CLI_ALGORITHM} needs --speculative-draft-model-path")
-    if engine_args.speculative_config:
-        raise TreeConfigError(f"--speculative-algorithm {CLI_ALGORITHM} and --speculative-config are exclusive")
-    engine_args.speculative_config = {"method": head_method(head), "model": head}
+    spec = dict(engine_args.speculative_config or {})
+    for flag, key in (("--speculative-draft-model-path", "model"), ("--speculative-draft-model-revision", "revision")):
+        value = tree_flags[flag]
+        if value is None:
+            continue
+        if spec.get(key, value) != value:
+            raise TreeConfigError(f"{flag} {value!r} disagrees with --speculative-config {key}={spec[key]!r}; "
+                                  "give it once")
+        spec[key] = value
+    engine_args.speculative_config = spec or None
     tree = {}
     for key, dest in (("num_steps", "speculative_num_steps"), ("topk", "speculative_eagle_topk"),
                       ("num_draft_tokens", "speculative_num_draft_tokens"), ("budget", "speculative_tree_budget"),

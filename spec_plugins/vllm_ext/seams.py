@@ -86,6 +86,16 @@ SEAMS: tuple[Seam, ...] = (
         "additional_config", "speculative_config", "async_scheduling", "worker_cls", "kv_cache_dtype",
         "pipeline_parallel_size", "data_parallel_size", "enable_lora", "enable_prompt_embeds")),
     Seam(ARGS, "attention_backend", "field", why="pinned to CUSTOM on CUDA", platform="cuda", stage=REG),
+    *(Seam(ARGS, f, "field", why="vLLM's --spec-* flags: merged into speculative_config by prepare_engine_args "
+           "before vLLM's create_speculative_config would", stage=REG) for f in ("spec_method", "spec_model",
+                                                                              "spec_tokens", "trust_remote_code")),
+    Seam("vllm.transformers_utils.config", "get_config", "method", "model, trust_remote_code, revision, code_revision, ...",
+         "reads the head's config (local folder or hub id at a revision) to tell EAGLE-1 from EAGLE-3", stage=REG),
+    Seam("vllm.config:SpeculativeConfig", "attention_backend", "field", why="set to CUSTOM on CUDA: the head's layers "
+         "get the tree backend", platform="cuda", stage=REG),
+    Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "_create_draft_vllm_config", "writes",
+         "backend=spec_cfg.attention_backend", "the head's config takes speculative_config.attention_backend, not "
+         "the target's: why prepare_gpu_engine_args sets it", platform="cuda"),
     Seam(ARGS, "compilation_config", "field", why="cudagraph_mode pinned on CUDA", platform="cuda", stage=REG),
     Seam("vllm.config:CompilationConfig", "cudagraph_mode", "field", why="PIECEWISE: attention stays eager",
          platform="cuda", stage=REG),
@@ -149,7 +159,7 @@ SEAMS: tuple[Seam, ...] = (
     *(Seam(GMR, a, "attr", why="read by the tree runner") for a in (
         "vllm_config", "device", "model", "uses_mrope", "positions", "query_start_loc", "input_batch",
         "discard_request_mask", "requests", "rejection_sampler", "sampler", "drafter", "kv_cache_config",
-        "compilation_config", "cache_config")),
+        "compilation_config", "cache_config", "max_model_len")),
     *(Seam(BATCH, a, "attr", why="per-request rows, tokens, block tables") for a in (
         "req_ids", "req_id_to_index", "token_ids_cpu", "num_computed_tokens_cpu", "num_prompt_tokens", "block_table",
         "sampling_metadata")),

@@ -41,10 +41,16 @@ GPU_PATH_MODULES = ("spec_plugins.vllm_ext", "spec_plugins.vllm_ext.worker_gpu",
                     "spec_plugins.vllm_ext.attention", "spec_plugins.vllm_ext.attention_gpu",
                     "spec_plugins.vllm_ext.proposer", "spec_plugins.vllm_ext.config",
                     "spec_plugins.vllm_ext.engine_patches", "spec_plugins.vllm_ext.seams")
-CUDA_STEPS = ("register", "seams", "worker_class", "custom_backend", "v1_runner", "cudagraph_mode", "engine_args")
+CUDA_STEPS = ("register", "seams", "worker_class", "custom_backend", "v1_runner", "cudagraph_mode", "engine_args",
+              "command_lines")
+TREE_BACKEND = "TreeFlashAttentionBackend"
 
 sys.path.insert(0, str(ROOT / "ci"))
+import command_lines  # noqa: E402  (tests/model: README's command-line table)
 import fetch_vllm_src  # noqa: E402
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +59,16 @@ def source_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reports(source_dir) -> dict:
-    """Both children at once (one per core): {"cuda": report, "cpu": report}."""
+def reports(source_dir, tmp_path_factory) -> dict:
+    """Both children at once (one per core): {"cuda": report, "cpu": report}.
+    The CUDA child also runs README's command lines (target SmolLM2, the
+    head as a folder and as a hub id from a local offline hub cache)."""
+    from spec_plugins.models.smollm2 import ensure_converted
+
+    hub = command_lines.make_hub_cache(tmp_path_factory.mktemp("hub"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source_dir), str(ROOT)]), "CUDA_VISIBLE_DEVICES": "",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "0"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "0", "HF_HUB_CACHE": str(hub),
+           "HF_HUB_OFFLINE": "1", "SPEC_PLUGINS_GUARD_TARGET": str(ensure_converted())}
     env.pop("SPEC_PLUGINS_ALLOW_UNTESTED_ENGINE", None)
     procs = {side: subprocess.Popen([sys.executable, str(CHILD), side], env=env, cwd=ROOT, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for side in ("cuda", "cpu")}
@@ -99,6 +111,28 @@ def test_torch_cuda_and_triton_untouched_on_the_cuda_path(reports):
 def test_cuda_configuration_against_033(reports, step):
     result = reports["cuda"]["steps"].get(step, "not run")
     assert result.startswith("ok"), result
+
+
+def test_readme_command_lines_start_on_cuda_033(reports):
+    """Every README command line through vLLM 0.33's parser and
+    create_engine_config under the CUDA platform does what its row says."""
+    results = reports["cuda"].get("command_lines")
+    assert results, reports["cuda"]["steps"].get("command_lines")
+    assert len(results) == 2 * len(command_lines.readme_rows())
+    problems = [p for r in results for p in command_lines.check_row(r)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_target_and_head_layers_get_the_tree_backend_on_cuda(reports):
+    """vLLM builds the head's config apart, with the attention backend reset to
+    speculative_config.attention_backend; unset, the selector gives the head
+    FlashAttention and the runner's startup check refuses it. Every tree row's
+    target and head must resolve to the tree backend."""
+    trees = [r for r in reports["cuda"]["command_lines"] if r.get("tree")]
+    assert len(trees) >= 10
+    wrong = [(r["command"], r["head"], r["target_backend"], r["draft_backend"]) for r in trees
+             if (r["target_backend"], r["draft_backend"]) != (TREE_BACKEND, TREE_BACKEND)]
+    assert wrong == []
 
 
 def test_cpu_modules_and_cpu_seams_against_033(reports):

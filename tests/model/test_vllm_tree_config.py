@@ -111,9 +111,9 @@ def test_llm_startup_refuses_before_loading_anything():
     """Through the real entry point: vLLM's LLM() -> EngineArgs.create_engine_config (patched by register())."""
     from vllm import LLM
 
-    with pytest.raises(tc.TreeConfigError, match="num_draft_tokens - 1 = 7"):
+    with pytest.raises(tc.TreeConfigError, match="num_speculative_tokens=3.*num_steps=5"):
         LLM(model=str(head_path("eagle3")), speculative_config={
-            "method": "eagle3", "model": str(head_path("eagle3")), "num_speculative_tokens": 5},
+            "method": "eagle3", "model": str(head_path("eagle3")), "num_speculative_tokens": 3},
             additional_config={"spec_tree": {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}})
 
 
@@ -136,22 +136,89 @@ def test_cli_flags_become_speculative_and_additional_config():
     ea = _parse(["--model", "m", "--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path",
                  str(head_path("eagle1")), "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
                  "--speculative-num-draft-tokens", "6"])
-    assert ea.speculative_config == {"method": "eagle", "model": str(head_path("eagle1"))}
+    assert ea.speculative_config == {"model": str(head_path("eagle1"))}  # the kind is read at config time
     assert ea.additional_config["spec_tree"] == {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}
+    tc.prepare_engine_args(ea)
+    assert ea.speculative_config["method"] == "eagle" and ea.speculative_config["num_speculative_tokens"] == 5
     ea3 = _parse(["--model", "m", "--speculative-algorithm", "eagle_tree", "--speculative-draft-model-path",
                   str(head_path("eagle3"))])
-    assert ea3.speculative_config["method"] == "eagle3" and ea3.additional_config["spec_tree"] == {}
+    assert ea3.additional_config["spec_tree"] == {}
+    tc.prepare_engine_args(ea3)
+    assert ea3.speculative_config["method"] == "eagle3"
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--speculative-num-steps", "3"], "without --speculative-algorithm"),
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x"], "only EAGLE_TREE"),
-    (["--speculative-algorithm", "EAGLE_TREE"], "needs --speculative-draft-model-path"),
-    (["--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path", "/nonexistent"], "config.json"),
+    (["--speculative-algorithm", "EAGLE_TREE"], "needs a draft head"),
+    (["--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path", "/nonexistent"],
+     "'/nonexistent': vLLM cannot read its config"),
+    (["--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path", "a/b", "--speculative-config",
+      '{"model": "c/d"}'], "disagrees"),
 ])
 def test_cli_flag_errors(argv, needle):
+    """Refused when parsed or when the engine config is built (the head's kind
+    is read there), never later."""
     with pytest.raises(tc.TreeConfigError, match=needle):
-        _parse(["--model", "m", *argv])
+        tc.prepare_engine_args(_parse(["--model", "m", *argv]))
+
+
+@pytest.mark.parametrize("raw,given,shape", [
+    ({}, None, (5, 4, 8)),
+    ({}, 7, (5, 4, 8)),  # num_draft_tokens - 1: what vLLM verifies per step
+    ({}, 5, (5, 4, 8)),  # a chain length: the depth
+    ({}, 3, (3, 4, 8)),
+    ({"topk": 1}, 3, (3, 1, 4)),
+    ({"num_steps": 4, "topk": 8, "num_draft_tokens": 16}, 4, (4, 8, 16)),
+    ({"num_steps": 4, "topk": 8, "num_draft_tokens": 16}, 15, (4, 8, 16)),
+])
+def test_num_speculative_tokens_is_the_depth_or_the_verified_drafts(raw, given, shape):
+    s = tc.settings_with_spec_tokens(raw, given).shape
+    assert (s.num_steps, s.topk, s.num_draft_tokens) == shape
+
+
+@pytest.mark.parametrize("raw,given,needle", [
+    ({"num_steps": 5}, 3, "num_speculative_tokens=3: .*num_steps=5 .*= 7"),
+    ({}, 1, "num_speculative_tokens=1 sets the tree's depth"),
+    ({"budget": "auto"}, 5, "budget='auto'"),
+])
+def test_num_speculative_tokens_refusals_name_the_values(raw, given, needle):
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        tc.settings_with_spec_tokens(raw, given)
+
+
+def test_prepare_engine_args_is_idempotent():
+    """vLLM may build the config from the same EngineArgs twice (API server, then engine core)."""
+    ea = _engine_args(speculative_config={"model": str(head_path("eagle3")), "num_speculative_tokens": 3},
+                      additional_config={"spec_tree": {}})
+    first = tc.prepare_engine_args(ea)
+    spec, extra = dict(ea.speculative_config), dict(ea.additional_config)
+    assert tc.prepare_engine_args(ea) == first
+    assert (ea.speculative_config, ea.additional_config) == (spec, extra)
+    assert (first.shape.num_steps, spec["num_speculative_tokens"], spec["method"]) == (3, 7, "eagle3")
+
+
+def test_vllm_spec_flags_are_merged_before_vllm_merges_them():
+    """--spec-method / --spec-model / --spec-tokens: merged by prepare_engine_args
+    (vLLM would merge them only after the tree checks) and cleared."""
+    ea = _parse(["--model", "m", "--spec-model", str(head_path("eagle1")), "--spec-tokens", "4",
+                 "--speculative-algorithm", "EAGLE_TREE"])
+    settings = tc.prepare_engine_args(ea)
+    assert (ea.spec_method, ea.spec_model, ea.spec_tokens) == (None, None, None)
+    assert ea.speculative_config["model"] == str(head_path("eagle1")) and ea.speculative_config["method"] == "eagle"
+    assert settings.shape.num_steps == 4 and ea.speculative_config["num_speculative_tokens"] == 7
+
+
+def test_gpu_engine_args_give_the_head_the_tree_backend(monkeypatch):
+    """CUDA: vLLM builds the head's config with speculative_config.attention_backend
+    (not the target's): it is set to CUSTOM, and another one is refused by name."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # prepare_gpu_engine_args pins it: restored after
+    ea = _engine_args()
+    tc.prepare_gpu_engine_args(ea)
+    assert ea.speculative_config["attention_backend"] == "CUSTOM" and ea.attention_backend == "CUSTOM"
+    bad = _engine_args(speculative_config={"method": "eagle3", "model": "x", "attention_backend": "FLASH_ATTN"})
+    with pytest.raises(tc.TreeConfigError, match="speculative_config attention_backend='FLASH_ATTN'"):
+        tc.prepare_gpu_engine_args(bad)
 
 
 def test_register_is_idempotent():

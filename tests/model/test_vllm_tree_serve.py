@@ -65,15 +65,20 @@ def reference(prompts):
     return texts
 
 
+def sglang_tree_flags(head: str) -> list[str]:
+    return ["--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path", head,
+            "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
+
+
 def serve(tmp_path, prompts: list[str], extra_args: list[str], extra_env: dict | None = None, *,
-          head: str = "eagle3") -> dict:
-    """Start ``vllm serve`` with the tree flags, send ``prompts``, read /metrics, stop it.
+          head: str = "eagle3", tree_args: list[str] | None = None) -> dict:
+    """Start ``vllm serve`` with the tree flags (default: SGLang's names with
+    the shipped ``head``), send ``prompts``, read /metrics, stop it.
     Returns {"texts": [...], "accepted": float}."""
     model = str(ensure_converted())
     port = free_port()
     cmd = [sys.executable, str(Path(__file__).with_name("vllm_serve_shim.py")), "serve", model,
-           "--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path", str(head_path(head)),
-           "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
+           *(tree_args if tree_args is not None else sglang_tree_flags(str(head_path(head)))),
            "--dtype", "float32", "--enforce-eager", "--port", str(port), "--seed", "0", *extra_args]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(extra_env or {})}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the real server layout: engine core in its own process
@@ -105,6 +110,23 @@ def serve(tmp_path, prompts: list[str], extra_args: list[str], extra_env: dict |
 
 def test_vllm_serve_with_tree_flags(prompts, reference, tmp_path):
     got = serve(tmp_path, prompts, ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(384 << 20)])
+    assert got["texts"] == reference
+    assert got["accepted"] > 0, "the served engine accepted no draft tokens"
+
+
+def test_vllm_serve_hub_head_with_vllm_spelling(prompts, reference, tmp_path):
+    """The spelling a vLLM user types, with a hub id (issue 36): vLLM's own
+    --speculative-config naming the head by hub id (served offline from a local
+    hub cache, see command_lines.make_hub_cache), --spec-tokens 5 as the chain
+    length (read as the tree's depth: (5,4,8)) and --speculative-algorithm
+    EAGLE_TREE. The served greedy completions equal no speculation's."""
+    import command_lines
+
+    hub = command_lines.make_hub_cache(tmp_path / "hub")
+    spelling = ["--speculative-config", json.dumps({"method": "eagle3", "model": command_lines.HUB_ID}),
+                "--spec-tokens", "5", "--speculative-algorithm", "EAGLE_TREE"]
+    got = serve(tmp_path, prompts, ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(384 << 20)],
+                {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}, tree_args=spelling)
     assert got["texts"] == reference
     assert got["accepted"] > 0, "the served engine accepted no draft tokens"
 

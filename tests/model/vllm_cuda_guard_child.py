@@ -101,6 +101,12 @@ def plugin_modules(cpu_side: bool) -> list[str]:
     return ([] if cpu_side else [pkg.__name__]) + [f"{pkg.__name__}.{n}" for n in picked]
 
 
+def guard_target() -> str:
+    """The target model folder (SmolLM2, converted by the test): EngineArgs
+    resolves its model at construction when HF_HUB_OFFLINE is set."""
+    return os.environ["SPEC_PLUGINS_GUARD_TARGET"]
+
+
 def run_step(report: dict, name: str, fn) -> None:
     try:
         result = fn()
@@ -166,7 +172,7 @@ def step_v1_runner():
     from spec_plugins.vllm_ext import config, worker_gpu
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    config.prepare_gpu_engine_args(EngineArgs())
+    config.prepare_gpu_engine_args(EngineArgs(model=guard_target()))
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" and envs.VLLM_USE_V2_MODEL_RUNNER is False
     # vLLM's own decision (VllmConfig.use_v2_model_runner), on a config without
     # the features that force V2 (HiSparse, watermarking)
@@ -203,11 +209,11 @@ def step_cudagraph_mode():
 
     from spec_plugins.vllm_ext import config
 
-    args = EngineArgs()
+    args = EngineArgs(model=guard_target())
     config.prepare_gpu_engine_args(args)
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE, args.compilation_config.cudagraph_mode
     assert args.attention_backend == "CUSTOM", args.attention_backend
-    full = EngineArgs(compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL))
+    full = EngineArgs(model=guard_target(), compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL))
     try:
         config.prepare_gpu_engine_args(full)
     except config.TreeConfigError as exc:
@@ -222,11 +228,38 @@ def step_engine_args():
     from spec_plugins.heads import head_path
     from spec_plugins.vllm_ext import config
 
-    args = EngineArgs(speculative_config={"method": "eagle3", "model": str(head_path("eagle3"))},
+    args = EngineArgs(model=guard_target(), speculative_config={"method": "eagle3", "model": str(head_path("eagle3"))},
                       additional_config={"spec_tree": {}})
     assert config.prepare_engine_args(args) is not None
     assert args.worker_cls == config.GPU_WORKER, args.worker_cls
     assert args.speculative_config["num_speculative_tokens"] == 7
+
+
+def step_command_lines(report: dict):
+    """README's command lines through 0.33's parser and create_engine_config
+    under the CUDA platform (``command_lines.run_rows``), and per tree row the
+    attention backend vLLM resolves for the target's layers (the engine config)
+    and for the head's (the config vLLM's EAGLE drafter builds for it with
+    ``_create_draft_vllm_config``, which does not inherit the target's backend)."""
+    import command_lines
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    from spec_plugins.vllm_ext import attention_gpu
+
+    def backends(vllm_config) -> dict:
+        attention_gpu.install_gpu_backend()  # as TreeGPUWorker.init_device does before the model is built
+        drafter = types.SimpleNamespace(speculative_config=vllm_config.speculative_config, vllm_config=vllm_config)
+        draft_config = EagleProposer._create_draft_vllm_config(drafter)
+        resolved = {}
+        for who, config in (("target_backend", vllm_config), ("draft_backend", draft_config)):
+            with set_current_vllm_config(config):
+                resolved[who] = get_attn_backend(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto").__name__
+        return resolved
+
+    report["command_lines"] = command_lines.run_rows(guard_target(), inspect=backends)
+    return f"ok: {len(report['command_lines'])} command lines"
 
 
 def cpu_only_loaded() -> list[str]:
@@ -247,7 +280,8 @@ def main_cuda(report: dict) -> None:
             report["cpu_only_first_loaded_by"][module] = new
     for name, fn in (("register", step_register), ("seams", step_seams), ("worker_class", step_worker_class),
                      ("custom_backend", step_custom_backend), ("v1_runner", step_v1_runner),
-                     ("cudagraph_mode", step_cudagraph_mode), ("engine_args", step_engine_args)):
+                     ("cudagraph_mode", step_cudagraph_mode), ("engine_args", step_engine_args),
+                     ("command_lines", lambda: step_command_lines(report))):
         run_step(report, name, fn)
 
 
