@@ -10,7 +10,9 @@ without SGLang). It
 2. registers ``--speculative-algorithm EAGLE_TREE`` (``SpeculativeAlgorithm.register``
    with a spec class that behaves as the EAGLE family),
 3. wraps the ``handle_speculative_decoding`` resolution step (EAGLE defaults
-   and validation, plus ours: mask mode, backend, tree shape),
+   and validation, plus ours: the head's variant, carried to every process
+   in the server args, mask mode, backend, tree shape, and the refusals of
+   ``name_keyed_features``),
 4. registers the attention backends ``spec_tree`` and ``spec_tree_triton``,
 5. registers AROUND hooks on SGLang's tree functions and its sampled verify
    (``engine_patches``), applied by ``load_plugins``; they act only inside an

@@ -5,6 +5,7 @@ Imported only from ``register()`` (SGLang must be importable).
 
 from __future__ import annotations
 
+import json
 import logging
 
 import spec_tree_kernels as stk
@@ -12,6 +13,7 @@ import spec_tree_kernels as stk
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from . import name_keyed_features
 from .config import (
     ALGORITHM_NAME,
     OUR_BACKENDS,
@@ -70,80 +72,109 @@ class EagleTreeSpecAlgo(CustomSpecAlgo):
 
     # --- EAGLE-1 vs EAGLE-3
     def variant(self) -> str:
-        """The user's SPEC_PLUGINS_EAGLE_TREE_VARIANT, else what the published
-        server args' draft head declares. SGLang keeps one instance of this
-        class per process, so the detection is cached per head, never once
-        for the process: a second Engine with another head gets its own."""
-        explicit = requested_variant()
-        if explicit is not None:
-            return explicit
-        return _variant_from_runtime()
+        """EAGLE or EAGLE3: decided once where the server arguments were
+        resolved (``resolve_head_variant``) and read here from the published
+        ones, which SGLang hands every process it spawns. SGLang keeps one
+        instance of this class per process, so nothing is cached on it: a
+        second Engine with another head publishes its own answer."""
+        return published_variant()
 
 
 def make_spec_class():
     return EagleTreeSpecAlgo
 
 
-def _draft_architectures(path, trust_remote_code=False, revision=None) -> list:
+# A bookkeeping attribute of ServerArgs (underscore, not a field): SGLang lets
+# resolution set those, and pickles them with the record to its processes.
+VARIANT_RECORD = "_spec_plugins_eagle_tree_variant"
+
+
+def published_variant() -> str:
+    from sglang.srt.runtime_context import get_context
+
+    try:
+        server_args = get_context().server_args
+    except ValueError as err:
+        raise RuntimeError(
+            f"{ALGORITHM_NAME}: no server args are published in this process, so its head variant is unknown ({err})"
+        ) from err
+    variant = getattr(server_args, VARIANT_RECORD, None)
+    if variant is None:
+        raise RuntimeError(
+            f"{ALGORITHM_NAME}: the published server args carry no head variant: they were resolved without the "
+            "spec-plugins SGLang plugin (its handle_speculative_decoding hook decides EAGLE vs EAGLE3)"
+        )
+    return variant
+
+
+def read_draft_architectures(view) -> list:
+    """The draft head's ``architectures``, read with the arguments SGLang loads
+    the draft model's config with (``ModelConfig.from_server_args`` for a
+    draft), so we read the config SGLang will serve."""
     from sglang.srt.utils.hf_transformers_utils import get_config
 
-    config = get_config(path, trust_remote_code=trust_remote_code, revision=revision)
+    kwargs = {}
+    config_file = view.decrypted_draft_config_file
+    if config_file and config_file.strip():
+        kwargs["_configuration_file"] = config_file.strip()
+    config = get_config(
+        view.speculative_draft_model_path,
+        trust_remote_code=view.trust_remote_code,
+        revision=view.speculative_draft_model_revision,
+        model_override_args=json.loads(view.json_model_override_args),
+        model_config_parser=view.model_config_parser,
+        **kwargs,
+    )
     return list(getattr(config, "architectures", None) or [])
 
 
-_DETECTED: dict = {}  # (draft path, revision) -> variant
-
-
-def _variant_from_runtime() -> str:
-    """Variant of the draft head in this process's published speculative
-    config (what SGLang's scheduler and workers read)."""
+def detect_head_variant(view) -> str:
+    """EAGLE / EAGLE3 from the head's config; ValueError naming the path when
+    it cannot be read (a guess would load the wrong draft model: an EAGLE-3
+    head's fc takes 3 x hidden)."""
+    path, revision = view.speculative_draft_model_path, view.speculative_draft_model_revision
     try:
-        from sglang.srt.runtime_context import get_spec
-
-        spec = get_spec()
-        key = (spec.speculative_draft_model_path, spec.speculative_draft_model_revision)
-    except Exception as err:  # noqa: BLE001 - no published config in this process
-        logger.warning("%s: no published speculative config (%s); assuming EAGLE", ALGORITHM_NAME, err)
-        return "EAGLE"
-    if key[0] is None:
-        return "EAGLE"
-    if key not in _DETECTED:
-        _DETECTED[key] = _detect_or_eagle(*key)
-    return _DETECTED[key]
-
-
-def _detect_or_eagle(path, revision) -> str:
-    try:
-        return detect_variant(_draft_architectures(path, revision=revision))
-    except Exception as err:  # noqa: BLE001 - detection is best effort here
-        logger.warning("%s: could not read the draft head's config (%s); assuming EAGLE", ALGORITHM_NAME, err)
-        return "EAGLE"
+        architectures = read_draft_architectures(view)
+    except Exception as err:  # noqa: BLE001 - re-raised with the path and the reason
+        raise ValueError(
+            f"{ALGORITHM_NAME}: cannot read the draft head's config from --speculative-draft-model-path {path!r}"
+            f"{f' (revision {revision!r})' if revision else ''} to tell an EAGLE from an EAGLE-3 head: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    return detect_variant(architectures)
 
 
 # ------------------------------------------------------------ resolution
 
 
 def handle_speculative_decoding_hook(server_args, previous):
-    """Wraps SGLang's ``handle_speculative_decoding`` resolution step: the
-    built-in step runs first (it uppercases the name and runs the registry's
-    callbacks); for EAGLE_TREE we then apply what it applies to EAGLE."""
-    previous(server_args)
+    """Wraps SGLang's ``handle_speculative_decoding`` resolution step. For
+    EAGLE_TREE our checks, the head's variant and our refusals come first
+    (SGLang's step reads the head's config too but fails less clearly, and
+    turns some refused options off); then the built-in step (it uppercases
+    the name and runs the registry's callbacks), then what it applies to
+    EAGLE."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    if resolving_view(server_args).speculative_algorithm != ALGORITHM_NAME:
+    cfg = resolving_view(server_args)
+    if cfg.speculative_algorithm is None or cfg.speculative_algorithm.upper() != ALGORITHM_NAME:
+        previous(server_args)
         return
-    resolve_eagle_tree(server_args)
+    check_flags_before_eagle_family(cfg)
+    variant = resolve_head_variant(server_args)
+    name_keyed_features.refuse_unsupported(cfg, variant)
+    previous(server_args)
+    resolve_eagle_tree(server_args, variant)
 
 
-def detect_head_variant(view) -> str:
-    """EAGLE / EAGLE3 from the head's config, cached for this head.
+def resolve_head_variant(server_args) -> str:
+    """EAGLE or EAGLE3 (the user's SPEC_PLUGINS_EAGLE_TREE_VARIANT, else the
+    head's config), recorded in the server args for every process SGLang
+    hands them to."""
+    from sglang.srt.arg_groups.overrides import resolving_view
 
-    Not written to the environment: the scheduler processes detect it from
-    the published server args themselves (a recorded value would leak into
-    the next Engine of this process, whose head may be the other kind)."""
-    key = (view.speculative_draft_model_path, view.speculative_draft_model_revision)
-    variant = detect_variant(_draft_architectures(key[0], trust_remote_code=view.trust_remote_code, revision=key[1]))
-    _DETECTED[key] = variant
+    variant = requested_variant() or detect_head_variant(resolving_view(server_args))
+    setattr(server_args, VARIANT_RECORD, variant)
     return variant
 
 
@@ -157,19 +188,17 @@ def verify_attention_backend(view) -> str | None:
     return decode if getattr(view, "speculative_attention_mode", "prefill") == "decode" else prefill
 
 
-def resolve_eagle_tree(server_args) -> None:
+def resolve_eagle_tree(server_args, variant: str) -> None:
     """EAGLE family defaults and validation plus ours; raises ValueError with
     the offending flag on a configuration that cannot serve."""
-    from sglang.srt.arg_groups.overrides import resolved_view, resolving_view
+    from sglang.srt.arg_groups.overrides import resolved_view
     from sglang.srt.arg_groups.speculative_hook import _handle_eagle_family
 
-    check_flags_before_eagle_family(resolving_view(server_args))
     mask_mode_request = requested_mask_mode()  # an unknown mode fails before SGLang's own checks
 
     _handle_eagle_family(server_args)
 
     view = resolved_view(server_args)
-    variant = requested_variant() or detect_head_variant(view)
     backend = checked_verify_backend(view)
     mode = resolve_mask_mode(mask_mode_request, backend)
     validate_tree(view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens, mode)

@@ -13,9 +13,11 @@ User-facing knobs (all read at startup; the scheduler processes inherit them):
     SGLang's backends).
 ``SPEC_PLUGINS_EAGLE_TREE_VARIANT``
     EAGLE or EAGLE3. Unset: detected from the draft head's config
-    (``architectures`` naming ``Eagle3``), in every process from its published
-    server args. Only the user sets it: a value recorded by the plugin would
-    leak into the next Engine of the process.
+    (``architectures`` naming ``Eagle3``). Either way decided once, where the
+    server arguments are resolved, and carried in them to every process
+    (``algorithm.resolve_head_variant``). Only the user sets it: a value the
+    plugin wrote to the environment would leak into the next Engine of the
+    process.
 """
 
 from __future__ import annotations

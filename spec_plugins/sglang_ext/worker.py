@@ -16,15 +16,23 @@ The worker activates those hooks for its process and sets the draft worker's
 mask mode to the configured one; when the target attention backend exposes a
 ``verify_mask`` (ours always does), SGLang's ``build_eagle_verify_input``
 builds that backend's mode, and startup fails if the two disagree.
+
+It also builds or loads the kernels on its device when it is constructed
+(``spec_tree_kernels.prepare``), so no compile starts in the serving loop,
+where SGLang's warm-up request runs under the scheduler's watchdog.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
+import torch
+from sglang.srt.runtime_context import get_device
 from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
-from spec_tree_kernels import TreeMaskMode
+import spec_tree_kernels as stk
+from spec_tree_kernels import TreeMaskMode, cuda_build_guard
 
 from . import engine_patches
 from .config import ALGORITHM_NAME, requested_mask_mode, resolve_mask_mode
@@ -44,6 +52,36 @@ def configured_mask_mode() -> TreeMaskMode:
     return resolve_mask_mode(requested_mask_mode(), backend)
 
 
+def startup_build_timeout(watchdog_timeout) -> float:
+    """Seconds the CUDA kernel build may take while the worker starts:
+    ``$SPEC_TREE_KERNELS_BUILD_TIMEOUT`` when the user set it, else the
+    kernels' default capped at half of SGLang's ``--watchdog-timeout``.
+
+    SGLang starts the scheduler's watchdog only after the workers are built,
+    so this build is not under it; still, a build slower than half the stall
+    SGLang tolerates in a forward is abandoned rather than holding up
+    readiness for the kernels' 600 s default: Triton serves, the log says why."""
+    if os.environ.get(cuda_build_guard.TIMEOUT_ENV):
+        return cuda_build_guard.build_timeout()
+    if not watchdog_timeout or watchdog_timeout <= 0:  # watchdog off
+        return cuda_build_guard.DEFAULT_BUILD_TIMEOUT_S
+    return min(cuda_build_guard.DEFAULT_BUILD_TIMEOUT_S, watchdog_timeout / 2)
+
+
+def prepare_tree_kernels(device) -> dict:
+    """Build or load the tree kernels on ``device`` now; on failure or timeout
+    ``prepare`` logs why and ``impl="auto"`` serves with Triton."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        # prepare() would build under the kernels' own timeout; building first
+        # under ours leaves it a loaded (or failed) build to report. Imported
+        # here: the build child runs cuda_ops as __main__ (see startup.py).
+        from spec_tree_kernels import cuda_ops
+
+        cuda_ops.ensure_built(timeout=startup_build_timeout(get_device().watchdog_timeout))
+    return stk.prepare(device)
+
+
 class EagleTreeWorker(EAGLEWorkerV2):
     """``--speculative-algorithm EAGLE_TREE``."""
 
@@ -51,6 +89,8 @@ class EagleTreeWorker(EAGLEWorkerV2):
         engine_patches.check_seams()
         engine_patches.ensure_hooks_applied()
         self.tree_mask_mode = configured_mask_mode()
+        # the target worker has claimed the device by now (ModelRunner sets it)
+        prepare_tree_kernels(target_worker.device)
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         engine_patches.activate(engine_patches.TreeRuntime(mask_mode=self.tree_mask_mode))
         logger.info("%s worker: tree mask %s", ALGORITHM_NAME, self.tree_mask_mode.name)

@@ -16,6 +16,11 @@ PyPI), so the scheduler-facing methods are called directly.
 from __future__ import annotations
 
 import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -120,7 +125,91 @@ def test_variant_follows_each_engines_head(ckpt, monkeypatch):
     _testing.publish(resolve(ckpt, head="eagle_head"))
     assert algo.is_eagle3()
     monkeypatch.delenv(config.VARIANT_ENV)
-    assert not algo.is_eagle3()  # and was not cached for that head
+    assert algo.is_eagle3()  # decided at resolution: what the scheduler processes are handed
+    _testing.publish(resolve(ckpt, head="eagle_head"))
+    assert not algo.is_eagle3()  # and not cached for that head
+
+
+# Issue 36, item 5: EAGLE vs EAGLE3 is decided once, where the arguments are
+# resolved, with SGLang's draft-config arguments, and carried to every process.
+
+
+def test_unreadable_head_config_fails_startup_naming_the_path(ckpt, tmp_path):
+    """Not a guess of EAGLE: an EAGLE-3 head loaded as EAGLE crashes or barely accepts."""
+    (tmp_path / "no_config_json").mkdir()
+    for head in (tmp_path / "no_config_json", tmp_path / "missing"):
+        with pytest.raises(ValueError, match="cannot read the draft head's config from --speculative-draft-model-path "
+                                             + re.escape(repr(str(head)))):  # fmt: skip
+            _testing.resolved_server_args(
+                model_path=ckpt["target"], speculative_algorithm="EAGLE_TREE", speculative_draft_model_path=str(head),
+                attention_backend=config.BACKEND_TORCH,
+            )  # fmt: skip
+
+
+def test_head_config_is_read_with_sglangs_draft_config_arguments(ckpt, monkeypatch):
+    """trust_remote_code, the revision, the model overrides and the config
+    parser: what ``ModelConfig.from_server_args`` loads the draft with."""
+    from sglang.srt.utils import hf_transformers_utils
+
+    real_get_config, calls = hf_transformers_utils.get_config, []
+
+    def recording_get_config(model, **kwargs):
+        calls.append((model, kwargs))
+        return real_get_config(model, **kwargs)
+
+    monkeypatch.setattr(hf_transformers_utils, "get_config", recording_get_config)
+    server_args = resolve(
+        ckpt, trust_remote_code=True, speculative_draft_model_revision="v2",
+        json_model_override_args='{"rope_theta": 20000.0}',
+    )  # fmt: skip
+    expected = {"trust_remote_code": True, "revision": "v2", "model_override_args": {"rope_theta": 20000.0},
+                "model_config_parser": resolved_view(server_args).model_config_parser}  # fmt: skip
+    assert (ckpt["eagle3_head"], expected) in calls, calls
+    _testing.publish(server_args)
+    assert SpeculativeAlgorithm.from_string("EAGLE_TREE").is_eagle3()
+
+
+SCHEDULER_PROCESS = """
+import pickle, sys
+from spec_plugins.sglang_ext import _testing
+_testing.install_import_stubs()  # torchvision only
+import spec_plugins.sglang_ext as ext
+ext.register()  # what load_plugins does in the scheduler
+from sglang.srt.runtime_context import publish
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+publish(pickle.load(open(sys.argv[1], "rb")), role="scheduler")
+print("VARIANT:", SpeculativeAlgorithm.from_string("EAGLE_TREE").variant())
+"""
+
+
+def test_scheduler_process_uses_the_variant_resolved_in_the_main_process(ckpt, tmp_path):
+    """A fresh process handed the pickled server args, as SGLang's scheduler
+    is, answers from them without reading the head again: here the head is
+    gone by then (as on a process that cannot read it, e.g. without
+    trust_remote_code), which a re-read would have turned into EAGLE."""
+    head = tmp_path / "eagle3_head"
+    shutil.copytree(ckpt["eagle3_head"], head)
+    server_args = _testing.resolved_server_args(
+        model_path=ckpt["target"], speculative_algorithm="EAGLE_TREE", speculative_draft_model_path=str(head),
+        attention_backend=config.BACKEND_TORCH,
+    )  # fmt: skip
+    args_file = tmp_path / "server_args.pickle"
+    args_file.write_bytes(pickle.dumps(server_args))
+    shutil.rmtree(head)
+    out = subprocess.run(
+        [sys.executable, "-c", SCHEDULER_PROCESS, str(args_file)], capture_output=True, text=True, timeout=300
+    )
+    assert "VARIANT: EAGLE3" in out.stdout, (out.stdout, out.stderr[-3000:])
+
+
+def test_no_published_variant_is_an_error_not_a_guess(ckpt):
+    eagle_args = _testing.resolved_server_args(
+        model_path=ckpt["target"], speculative_algorithm="EAGLE", speculative_draft_model_path=ckpt["eagle_head"],
+        attention_backend="triton",
+    )  # fmt: skip
+    _testing.publish(eagle_args)  # resolved for EAGLE: our hook decided nothing
+    with pytest.raises(RuntimeError, match="carry no head variant"):
+        SpeculativeAlgorithm.from_string("EAGLE_TREE").is_eagle3()
 
 
 def test_seams_resolve_and_a_moved_one_is_reported(monkeypatch):

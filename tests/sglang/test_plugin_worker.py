@@ -45,7 +45,8 @@ from sglang.srt.speculative.eagle_info import EagleDraftInput  # noqa: E402
 import spec_tree_kernels as stk  # noqa: E402
 from spec_plugins.sglang_ext import config, engine_patches, layout  # noqa: E402
 from spec_plugins.sglang_ext.worker import EagleTreeWorker, check_backend_reads, configured_mask_mode  # noqa: E402
-from spec_tree_kernels import TreeMaskMode  # noqa: E402
+from spec_plugins.sglang_ext.worker import startup_build_timeout  # noqa: E402
+from spec_tree_kernels import TreeMaskMode, cuda_build_guard, cuda_ops  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -70,7 +71,9 @@ def publish(ckpt, steps, topk, nodes, backend=config.BACKEND_TORCH):
 @pytest.fixture(autouse=True)
 def clean(monkeypatch):
     monkeypatch.delenv(config.VARIANT_ENV, raising=False)
-    monkeypatch.delenv(config.MASK_MODE_ENV, raising=False)
+    # empty reads as unset; set through monkeypatch so that teardown also
+    # removes what make_backend writes (delenv of an absent name records nothing)
+    monkeypatch.setenv(config.MASK_MODE_ENV, "")
     engine_patches.deactivate()
     with torch._dynamo.config.patch(disable=True):
         yield
@@ -540,3 +543,49 @@ def test_worker_mode_configuration(ckpt, monkeypatch):
     with pytest.raises(RuntimeError, match="reads PARENT_POINTER tree masks but this worker is configured for ANCESTOR"):
         worker.apply_mask_mode()
     check_backend_reads(types.SimpleNamespace(verify_mask=None), TreeMaskMode.FULL_MASK)  # no buffer: nothing to check
+
+
+# ------------------------------------------------ kernel build at startup
+
+
+def test_worker_builds_the_cuda_kernels_when_constructed_not_in_a_step(ckpt, monkeypatch, tmp_path, caplog):
+    """Issue 36, item 4: the nvcc build runs in the worker's constructor, under
+    a timeout below SGLang's watchdog; a failed build is logged, Triton serves,
+    and the first tree op afterwards starts no build. No GPU or nvcc here:
+    torch "sees" a GPU, nvcc is /bin/true and the build child is a recorder
+    that fails; EAGLEWorkerV2's own constructor (draft model load) is
+    skipped, the target worker is a namespace with the device it claimed."""
+    server_args = publish(ckpt, 3, 2, 6)  # SGLang's default --watchdog-timeout: 300 s
+    monkeypatch.setattr(cuda_ops, "_state", {"loaded": False, "backend": None, "error": None})
+    monkeypatch.setenv("SPEC_TREE_KERNELS_BUILD_DIR", str(tmp_path))
+    for name in (cuda_build_guard.TIMEOUT_ENV, "SPEC_TREE_KERNELS_CUDA_JIT", "SPEC_TREE_KERNELS_IMPL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ops, "find_nvcc", lambda: "/bin/true")
+    build_timeouts = []
+
+    def failing_build_child(args, timeout):
+        build_timeouts.append(timeout)
+        raise RuntimeError("nvcc fatal: stand-in build failure")
+
+    monkeypatch.setattr(cuda_build_guard, "run_build_child", failing_build_child)
+    monkeypatch.setattr(eagle_worker_v2.EAGLEWorkerV2, "__init__", lambda self, *args, **kwargs: None)
+    caplog.set_level("INFO", logger="spec_tree_kernels")
+
+    EagleTreeWorker(server_args, gpu_id=0, nccl_port=0, target_worker=types.SimpleNamespace(device="cuda"))
+    assert len(build_timeouts) == 1, "the worker's constructor did not build the CUDA kernels"
+    assert 140.0 < build_timeouts[0] <= 150.0  # half the watchdog, less the lock wait
+    assert "nvcc fatal: stand-in build failure" in caplog.text and "Triton" in caplog.text
+    # what every tree op dispatches by on a CUDA tensor: Triton, and no second build
+    assert stk.resolve_impl("build", "auto", torch.device("cuda")) == "triton"
+    assert len(build_timeouts) == 1
+
+
+def test_startup_build_timeout_stays_under_the_watchdog(monkeypatch):
+    monkeypatch.delenv(cuda_build_guard.TIMEOUT_ENV, raising=False)
+    assert startup_build_timeout(300) == 150.0
+    assert startup_build_timeout(40) == 20.0
+    assert startup_build_timeout(None) == cuda_build_guard.DEFAULT_BUILD_TIMEOUT_S  # watchdog off
+    assert startup_build_timeout(3000) == cuda_build_guard.DEFAULT_BUILD_TIMEOUT_S
+    monkeypatch.setenv(cuda_build_guard.TIMEOUT_ENV, "900")  # the user's explicit choice wins
+    assert startup_build_timeout(300) == 900.0
