@@ -22,10 +22,15 @@ import sys
 import time
 from pathlib import Path
 
+from spec_plugins.budget.menu import DEFAULT_MENU as BENCH_MENU
 from spec_plugins.cli_types import parse_shape
 from spec_plugins.vllm_runs import LOADS
 
-DEFAULT_SHAPES = ["3,1,4", "5,1,6", "5,4,8", "6,8,32"]
+# bench: what a newcomer needs (EAGLE-3 chains of 3 and 5 beside vLLM's own, the (5,4,8) tree, the budget);
+# --full adds the EAGLE-1 head and the wide tree
+BENCH_HEADS, FULL_HEADS = ["eagle3"], ["eagle3", "eagle1"]
+BENCH_SHAPES, FULL_SHAPES = ["3,1,4", "5,1,6", "5,4,8"], ["3,1,4", "5,1,6", "5,4,8", "6,8,32"]
+BENCH_ROUNDS = {1: 3, "above": 5}  # interleaved rounds per concurrency level: more where rounds are short
 CHECK_SHAPES = ["3,1,4", "5,4,8"]
 
 
@@ -275,22 +280,37 @@ def _missing_parts() -> list[str]:
 # --------------------------------------------------------------------- bench
 
 
+def bench_rounds(args) -> list[int] | None:
+    """Interleaved rounds per concurrency level (None: --sequential)."""
+    if args.sequential:
+        return None
+    return args.interleave or [BENCH_ROUNDS[1] if level == 1 else BENCH_ROUNDS["above"] for level in args.concurrency]
+
+
 def cmd_bench(args) -> int:
     vb = repository_part("spec_plugins.vllm_bench", "spec-plugins bench")
-    if args.interleave:
+    from spec_plugins import bench_noise
+
+    rounds = bench_rounds(args)
+    if rounds:
         try:
-            vb.rounds_per_level(args.interleave, args.concurrency)
+            vb.rounds_per_level(rounds, args.concurrency)
         except ValueError as e:
             print(f"spec-plugins: {e}")
             return 2
+    heads = args.heads or (FULL_HEADS if args.full else BENCH_HEADS)
+    shapes = args.shapes or [parse_shape(s) for s in (FULL_SHAPES if args.full else BENCH_SHAPES)]
 
+    warnings = bench_noise.busy_warnings()
+    for line in warnings:
+        print(f"spec-plugins bench: warning: {line}", file=sys.stderr, flush=True)
     model = args.model or default_model()
     prompts = load_prompts(args.prompts, args.num_prompts, model)
-    configs = configs_for(resolve_heads(args.heads), args.shapes, engine_chains=not args.no_engine_chain,
+    configs = configs_for(resolve_heads(heads), shapes, engine_chains=not args.no_engine_chain,
                           budget_menus=args.budget)
-    if args.interleave:
+    if rounds:
         results = vb.run_interleaved(configs, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
-                                     args.interleave, args.temperatures, log=log_line, progress=progress_printer,
+                                     rounds, args.temperatures, log=log_line, progress=progress_printer,
                                      load=args.load)
     else:
         results = run_all(model, configs, prompts, args.max_tokens, args.concurrency, args.repeats, args.temperatures,
@@ -302,13 +322,18 @@ def cmd_bench(args) -> int:
                 peer = vb.peer_of(cfg, configs)
                 rows.append(vb.summarize(results[(configs[0], level, temp)], results[(cfg, level, temp)], cfg,
                                          results[(peer, level, temp)] if peer else None))
+    warnings += bench_noise.noise_warnings(rows)
+    summary = bench_noise.summary_lines(rows, warnings)
     meta = {"model": model, "prompts": [pid for pid, _ in prompts], "max_tokens": args.max_tokens,
-            "repeats": args.repeats, "interleave": args.interleave, "temperatures": args.temperatures,
+            "repeats": args.repeats, "interleave": rounds, "temperatures": args.temperatures,
             "sampled_top_p": vb.SAMPLED_TOP_P, "concurrency": args.concurrency, "load": args.load,
-            "engine": _engine_version()}
-    vb.write_report(rows, meta, Path(args.out))
+            "engine": _engine_version(), "warnings": warnings}
+    vb.write_report(rows, meta, Path(args.out), summary)
     print(vb.table(rows))
     print(f"spec-plugins bench: wrote {args.out}/results.json, results.md, bench.png")
+    for line in warnings:
+        print(f"spec-plugins bench: warning: {line}")
+    print("\n".join(["", "Summary:", *(f"- {line}" for line in summary)]))
     bad = [r["config"] for r in rows if r["identical"] is False]
     if bad:
         print(f"spec-plugins bench: FAILED: outputs differ from no speculation for {', '.join(bad)}")
@@ -461,12 +486,14 @@ def build_parser() -> argparse.ArgumentParser:
     doc.set_defaults(func=cmd_doctor)
 
     def common(p, shapes, num_prompts, max_tokens, heads):
+        """Arguments of bench and check; shapes / heads None: the subcommand picks them after parsing."""
         p.add_argument("--model", default=None, help="target folder (default: the bundled SmolLM2-135M-Instruct; repository checkout only)")
         p.add_argument("--heads", nargs="+", default=heads,
-                       help=f"shipped head names (eagle3, eagle1; repository checkout only) or head folders "
-                            f"(default: {' '.join(heads)})")
-        p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in shapes],
-                       help=f"num_steps,topk,num_draft_tokens per configuration (default: {' '.join(shapes)})")
+                       help="shipped head names (eagle3, eagle1; repository checkout only) or head folders"
+                            + (f" (default: {' '.join(heads)})" if heads else ""))
+        p.add_argument("--shapes", nargs="+", type=parse_shape, default=shapes and [parse_shape(s) for s in shapes],
+                       help="num_steps,topk,num_draft_tokens per configuration"
+                            + (f" (default: {' '.join(shapes)})" if shapes else ""))
         p.add_argument("--prompts", default=None, help="prompt file (.json list, .jsonl, or one per line; default: the bundled evaluation "
                             "prompts, repository checkout only)")
         p.add_argument("--num-prompts", type=int, default=num_prompts)
@@ -474,7 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="side-by-side benchmark: no-spec, vLLM's own chain, our chains and trees "
                                          "(table + JSON + PNG)")
-    common(bench, DEFAULT_SHAPES, 8, 64, ["eagle3", "eagle1"])
+    common(bench, None, 8, 48, None)
+    bench.add_argument("--full", action="store_true",
+                       help=f"the larger set: heads {' '.join(FULL_HEADS)}, shapes {' '.join(FULL_SHAPES)} (default: "
+                            f"heads {' '.join(BENCH_HEADS)}, shapes {' '.join(BENCH_SHAPES)}); about 3x longer")
     bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
                        help="requests in flight at once; each level runs on the same engines (default: 1 8)")
     bench.add_argument("--load", choices=LOADS, default=LOADS[0],
@@ -482,18 +512,23 @@ def build_parser() -> argparse.ArgumentParser:
                             "(a server's steady load; vLLM's bench serve --max-concurrency); waves: --concurrency "
                             "prompts per generate call, the next wave once all are done (results before "
                             "2026-12-01 used waves)")
-    bench.add_argument("--repeats", type=int, default=1,
-                       help="run every configuration this many times (alternating order), keep the fastest")
     bench.add_argument("--interleave", type=int, nargs="+", default=None, metavar="ROUNDS",
-                       help="keep every configuration's engine alive at once (one engine-core process each) and "
-                            "run ROUNDS rounds per level (one count, or one per --concurrency level), the order "
-                            "rotated each round; report the median round and the medians of per-round ratios "
-                            "(the machine's drift hits all alike)")
+                       help="rounds per level (one count, or one per --concurrency level; default "
+                            f"{BENCH_ROUNDS[1]} at concurrency 1, {BENCH_ROUNDS['above']} above). Every "
+                            "configuration's engine stays alive at once (one engine-core process each) and the "
+                            "rounds run them in rotated order; tokens/s is the median round, ratios the medians of "
+                            "per-round ratios (the machine's drift hits all alike), with the rounds' spread shown")
+    bench.add_argument("--sequential", action="store_true",
+                       help="one engine at a time instead, each configuration once (or --repeats times): less "
+                            "memory, but a drift of the machine's speed lands in the ratios unseen")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="with --sequential: run every configuration this many times (alternating order), keep "
+                            "the fastest")
     bench.add_argument("--no-engine-chain", action="store_true",
                        help="leave out vLLM's own EAGLE chain (the peer row, one per chain length in --shapes)")
-    bench.add_argument("--budget", nargs="*", default=[], metavar="MENU",
-                       help="also run the adaptive tree budget over each menu, e.g. 'none,3,1,4,5,1,6,5,4,8' "
-                            "(spec_tree budget='auto'; the row reports the steps each entry ran)")
+    bench.add_argument("--budget", nargs="*", default=[BENCH_MENU], metavar="MENU",
+                       help=f"the adaptive tree budget over each menu (default: {BENCH_MENU}; spec_tree "
+                            "budget='auto'; the row reports the steps each entry ran); --budget alone: none")
     bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                        help="temperatures to run (default: greedy only); > 0 samples with top-p 0.9, a seed per "
                             "prompt, and reports tau and tokens/s (outputs are compared only when greedy)")
@@ -525,8 +560,11 @@ def main(argv=None) -> int:
             if value is not None and value < 1:
                 print(f"spec-plugins: --{name.replace('_', '-')} must be >= 1, got {value}")
                 return 2
-    if getattr(args, "interleave", None) and args.repeats > 1:
-        print("spec-plugins: --interleave replaces --repeats (each round is a repeat)")
+    if getattr(args, "sequential", False) and args.interleave:
+        print("spec-plugins: --sequential and --interleave exclude each other")
+        return 2
+    if getattr(args, "repeats", 1) > 1 and not getattr(args, "sequential", True):
+        print("spec-plugins: --repeats applies to --sequential runs (interleaved rounds are the repeats)")
         return 2
     return args.func(args)
 

@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
 
+from spec_plugins import bench_noise
+
 # the engine part (part of the runtime distribution, for ``spec-plugins check``), re-exported here
 from spec_plugins.vllm_runs import (  # noqa: F401
     METHOD_OF_KIND,
@@ -424,18 +426,24 @@ def peer_of(cfg: SpecConfig, configs: list[SpecConfig]) -> SpecConfig | None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| config | conc | temp | tok/s | vs no-spec | vs vLLM chain | tau | tau per depth | step ms: target / "
-             "head / ours (ours %) | t_V/t_T | c | decode vs no-spec | predicted | measured / predicted | identical |",
+    """The results table. tok/s is followed by its rounds' spread (interleaved
+    runs); a ratio marked ~ is one whose rounds disagree by more than its
+    distance from 1 (``bench_noise.unresolved``)."""
+    lines = ["| config | conc | temp | tok/s (rounds' spread) | vs no-spec | vs vLLM chain | tau | tau per depth | "
+             "step ms: target / head / ours (ours %) | t_V/t_T | c | decode vs no-spec | predicted | "
+             "measured / predicted | identical |",
              "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|:---:|"]
     for r in rows:
         cm, st = r.get("cost_model", {}), r.get("step_ms")
         depth = " ".join(f"{x:.2f}" for x in r.get("tau_per_depth", []))
         steps = (f"{st['target']} / {st['head']} / {st['ours']} ({100 * st['ours_share']:.0f}%)" if st else "-")
-        peer = r.get("vs_vllm_chain")
         same = {True: "yes", False: "NO", None: "n/a (sampled)"}[r["identical"]]
-        lines.append(f"| {r['config']} | {r['concurrency']} | {r.get('temperature', 0.0):g} | {r['tokens_per_s']:.1f} | "
-                     f"{r.get('speedup', 1.0):.2f} | "
-                     f"{f'{peer:.2f}' if peer else '-'} | {r['tau'] if r.get('tau') else '-'} | {depth or '-'} | "
+        rounds = bench_noise.spread(r.get("all_tokens_per_s"))
+        speed = f"{r['tokens_per_s']:.1f}" + (f" ({rounds:.0%})" if rounds is not None else "")
+        vs_base = bench_noise.marked(r.get("speedup", 1.0), r.get("all_speedup"))
+        lines.append(f"| {r['config']} | {r['concurrency']} | {r.get('temperature', 0.0):g} | {speed} | {vs_base} | "
+                     f"{bench_noise.marked(r.get('vs_vllm_chain'), r.get('all_vs_vllm_chain'))} | "
+                     f"{r['tau'] if r.get('tau') else '-'} | {depth or '-'} | "
                      f"{steps} | {cm.get('t_V_over_t_T', '-')} | {cm.get('c', '-')} | {r.get('decode_speedup', '-')} | "
                      f"{cm.get('predicted_speedup', '-')} | {cm.get('measured_over_predicted', '-')} | {same} |")
     return "\n".join(lines)
@@ -507,10 +515,13 @@ def plot_concurrency(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(rows: list[dict], meta: dict, out: Path) -> None:
+def write_report(rows: list[dict], meta: dict, out: Path, summary: list[str] = ()) -> None:
+    """results.json (meta, summary, rows), results.md (the summary, then the table), the plots."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (out / "results.md").write_text(table(rows) + "\n")
+    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": list(summary), "rows": rows}, indent=2)
+                                      + "\n")
+    head = "".join(f"- {line}\n" for line in summary) + "\n" if summary else ""
+    (out / "results.md").write_text(head + table(rows) + "\n")
     plot(rows, out / "bench.png")
     if len({r["concurrency"] for r in rows}) > 1:
         plot_concurrency(rows, out / "concurrency.png")

@@ -148,7 +148,11 @@ def test_bench_interleave_argument_errors(capsys):
     assert cli.main(["bench", "--interleave", "0"]) == 2
     assert "--interleave must be >= 1" in capsys.readouterr().out
     assert cli.main(["bench", "--interleave", "2", "--repeats", "2"]) == 2
-    assert "--interleave replaces --repeats" in capsys.readouterr().out
+    assert "--repeats applies to --sequential runs" in capsys.readouterr().out
+    assert cli.main(["bench", "--repeats", "2"]) == 2  # interleaved by default
+    assert "--repeats applies to --sequential runs" in capsys.readouterr().out
+    assert cli.main(["bench", "--sequential", "--interleave", "2"]) == 2
+    assert "--sequential and --interleave exclude each other" in capsys.readouterr().out
     assert cli.main(["bench", "--concurrency", "1", "8", "--interleave", "2", "3", "4"]) == 2
     assert "one per --concurrency level [1, 8]; got [2, 3, 4]" in capsys.readouterr().out
 
@@ -188,3 +192,19 @@ def test_bench_cost_model_against_hand_arithmetic():
     rounds_base = vb.merge_rounds([decode_run("no-spec", 10, s, 10) for s in (1.0, 2.0, 4.0)])
     rounds_tree = vb.merge_rounds([decode_run(TREE.name, 5, s, 10) for s in (0.5, 2.0, 2.0)])
     assert vb.summarize(rounds_base, rounds_tree, TREE)["decode_speedup"] == 2.0  # ratios 2, 1, 2
+
+
+def test_bench_defaults_are_the_interleaved_newcomer_set():
+    """Main job defaults (issue 42): EAGLE-3, chains of 3 and 5 (so vLLM's own chains of 3 and 5), the (5,4,8)
+    tree and the budget, interleaved 3 rounds at concurrency 1 and 5 above; --full adds EAGLE-1 and (6,8,32)."""
+    args = cli.build_parser().parse_args(["bench"])
+    assert args.heads is None and args.shapes is None and args.budget == [cli.BENCH_MENU]
+    assert cli.bench_rounds(args) == [3, 5] and args.concurrency == [1, 8]
+    assert cli.BENCH_HEADS == ["eagle3"] and cli.BENCH_SHAPES == ["3,1,4", "5,1,6", "5,4,8"]
+    configs = cli.configs_for([("eagle3", "/h3")], [cli.parse_shape(s) for s in cli.BENCH_SHAPES],
+                              engine_chains=True, budget_menus=args.budget)
+    assert [c.name for c in configs] == ["no-spec", "vllm eagle3 chain(3)", "vllm eagle3 chain(5)", "eagle3 chain(3)",
+                                         "eagle3 chain(5)", "eagle3 tree(5,4,8)", f"eagle3 budget({cli.BENCH_MENU})"]
+    assert cli.bench_rounds(cli.build_parser().parse_args(["bench", "--sequential"])) is None
+    assert cli.bench_rounds(cli.build_parser().parse_args(["bench", "--concurrency", "1", "4", "8"])) == [3, 5, 5]
+    assert "6,8,32" in cli.FULL_SHAPES and "eagle1" in cli.FULL_HEADS

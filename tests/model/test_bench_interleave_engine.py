@@ -25,7 +25,7 @@ def test_bench_interleave_two_rounds(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the other engine tests run
     out = tmp_path / "bench"
     rc = cli.main(["bench", "--heads", "eagle3", "--shapes", "5,4,8", "--no-engine-chain", "--num-prompts", "2",
-                   "--max-tokens", "16", "--concurrency", "1", "--interleave", "2", "--out", str(out)])
+                   "--max-tokens", "16", "--concurrency", "1", "--interleave", "2", "--budget", "--out", str(out)])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["interleave"] == [2]
@@ -43,6 +43,13 @@ def test_bench_interleave_two_rounds(tmp_path, capsys, monkeypatch):
     # the runner weighs its step times by the request-steps vLLM's inter-token latency counts
     steps = tree["cost_model"]["decode_request_steps"]
     assert steps["runner"] == steps["vllm"] > 0, steps
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "2 engines alive, RSS" in err and "GiB still available" in err
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the mode's own setting does not leak
+    # the summary: printed last and at the top of results.md, with the noise verdict of the two rounds
+    summary = data["summary"]
+    assert captured.out.rstrip().endswith("\n".join(f"- {line}" for line in summary))
+    assert summary[-1].startswith("noise: ") and "no speculation's rounds spread" in summary[-1], summary
+    assert any(line.startswith("outputs: every greedy output token-identical") for line in summary), summary
+    assert (out / "results.md").read_text().startswith("- best of ours: eagle3 tree(5,4,8)")

@@ -99,7 +99,7 @@ def test_bench_runs_the_peer_levels_and_repeats(tmp_path):
     breakdown, ratios and plot are written."""
     out = tmp_path / "bench"
     rc = cli.main(["bench", "--heads", "eagle3", "--shapes", "3,1,4", "--num-prompts", "1", "--max-tokens", "8",
-                   "--concurrency", "1", "2", "--repeats", "2", "--out", str(out)])
+                   "--concurrency", "1", "2", "--sequential", "--repeats", "2", "--budget", "--out", str(out)])
     assert rc == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     names = [(r["config"], r["concurrency"]) for r in rows]
@@ -116,7 +116,8 @@ def test_bench_sampled_rows_report_tau_without_identity(tmp_path):
     tau from vLLM's metrics for our tree and vLLM's chain alike."""
     out = tmp_path / "bench"
     rc = cli.main(["bench", "--heads", "eagle3", "--shapes", "3,1,4", "3,2,4", "--num-prompts", "2",
-                   "--max-tokens", "16", "--concurrency", "2", "--temperatures", "0", "0.8", "--out", str(out)])
+                   "--max-tokens", "16", "--concurrency", "2", "--temperatures", "0", "0.8", "--sequential", "--budget",
+                   "--out", str(out)])
     assert rc == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [(r["config"], r["temperature"]) for r in rows] == [
