@@ -8,6 +8,7 @@ from setuptools.command.build_py import build_py
 # reference decoder, the SGLang test doubles
 REPOSITORY_ONLY = {
     ("spec_plugins", "acceptance_bench"),
+    ("spec_plugins", "bench_noise"),
     ("spec_plugins", "reference_decoder"),
     ("spec_plugins", "vllm_bench"),
     ("spec_plugins.sglang_ext", "_testing"),

@@ -17,6 +17,9 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``TreeShape``          (num_steps, topk, num_draft_tokens), validated; ``TreeShape.parse("5,4,8")``.
 * ``prepare(device)``    engine startup: build/load the CUDA kernels now (Triton if
                          they cannot be built; logged), return the impl per op.
+* ``startup.warm_up``   engine startup, once the KV cache exists: launch every
+                         Triton kernel variant the serving configuration can make
+                         (``triton_launch``: the launch seam, variant keys, recording).
 * ``tree_attention``     verify attention over a paged KV cache under a compact
                          tree mask (``attention.py``; imported on first use, so
                          TRITON_INTERPRET may be set after importing this package).

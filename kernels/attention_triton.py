@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import triton_launch  # the one launch seam (recorded; captured: the warm-up, tests/triton_aot.py)
 from .api import triton_usable
 from .attention_reference import _check_inputs, _default_scale
 from .modes import TreeMaskMode, ancestor_bitmask_words
@@ -53,8 +54,21 @@ except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-    def _jit(fn):
-        return fn
+    def _jit(fn=None, **_):
+        return fn if fn is not None else (lambda f: f)
+
+# Arguments Triton must not specialize on (divisible by 16, equal to 1, 16-byte
+# aligned), so that every variant a step can launch is known at startup and
+# warmed then (``startup.warm_up``):
+# * the query rows are views into the engine's query tensor: their address
+#   (the step's first tree row) and row stride (the engine's layout) vary per
+#   step and are unknown at startup. q is loaded once per program: the lost
+#   vectorization does not show;
+# * num_splits follows batch and context; it only enters index arithmetic,
+#   where its divisibility buys nothing (a class per value would double the
+#   split and merge variants).
+_QUERY_ROWS = dict(do_not_specialize=["stride_qb", "stride_qt"], do_not_specialize_on_alignment=["q_ptr"])
+_SPLITS = ["num_splits"]
 
 
 # Split-KV plan constants (tuned by ci/device_check.py's tree_attention sweep)
@@ -183,7 +197,7 @@ def _attend_tree(
     return m_i, l_i, acc
 
 
-@_jit
+@_jit(**_QUERY_ROWS)
 def _tree_attention_kernel(
     q_ptr,
     k_ptr,
@@ -273,7 +287,8 @@ def _chunk_len(ctx, num_splits, min_chunk, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_chunk)
 
 
-@_jit
+@_jit(do_not_specialize=_QUERY_ROWS["do_not_specialize"] + _SPLITS,
+      do_not_specialize_on_alignment=_QUERY_ROWS["do_not_specialize_on_alignment"])
 def _tree_attention_split_kernel(
     q_ptr,
     k_ptr,
@@ -372,7 +387,7 @@ def _tree_attention_split_kernel(
     tl.store(lse_part_ptr + slot, m_i + tl.log2(l_safe), mask=store_ok)
 
 
-@_jit
+@_jit(do_not_specialize=_SPLITS)
 def _tree_attention_merge_kernel(
     o_part_ptr,
     lse_part_ptr,
@@ -567,12 +582,6 @@ def plan_tree_attention(
 # --------------------------------------------------------------------- launch
 
 
-def _launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``; one seam, so a test can compile the
-    exact launches for a GPU target without one (tests/triton_aot.py)."""
-    kernel[grid](*args, **kwargs)
-
-
 def tree_attention_triton(
     q,
     k_cache,
@@ -676,7 +685,7 @@ def run_planned_attention(plan: AttentionPlan, q, k_cache, v_cache, block_table,
 
     if plan.kernel == "single":
         grid = (plan.node_blocks, hkv, batch)
-        _launch(
+        triton_launch.launch(
             _tree_attention_kernel, grid, q, k_cache, v_cache, out, block_table, context_lens, mask,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
             block_table.stride(0), qk_scale, **common, **launch,
@@ -686,7 +695,7 @@ def run_planned_attention(plan: AttentionPlan, q, k_cache, v_cache, block_table,
     splits = plan.num_splits
     o_part, lse_part = workspace
     grid = (plan.node_blocks, splits + 1, batch * hkv)
-    _launch(
+    triton_launch.launch(
         _tree_attention_split_kernel, grid, q, k_cache, v_cache, o_part, lse_part, block_table, context_lens, mask,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0), qk_scale, splits, plan.min_chunk, hkv,
@@ -694,7 +703,7 @@ def run_planned_attention(plan: AttentionPlan, q, k_cache, v_cache, block_table,
     )  # fmt: skip
     # one row per program on a GPU (parallelism); many per program in the interpreter (speed)
     rows = min(_next_pow2(nodes * hq), 256) if _interpreting() else 1
-    _launch(
+    triton_launch.launch(
         _tree_attention_merge_kernel, (triton.cdiv(nodes * hq, rows), batch),
         o_part, lse_part, out, context_lens, *out.stride(), splits, plan.min_chunk,
         T=nodes, HQ=hq, HEAD_DIM=dim, BLOCK_N=plan.block_n, SPLITS_P2=max(2, _next_pow2(splits)), ROWS=rows,

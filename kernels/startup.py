@@ -1,4 +1,4 @@
-"""Engine startup for the kernels: build the CUDA ops before serving, never inside it.
+"""Engine startup for the kernels: build and compile before serving, never inside it.
 
 ``prepare(device)`` is what an engine worker calls once it owns its device:
 on CUDA it builds or loads the CUDA kernels now (``cuda_ops.ensure_built``;
@@ -9,20 +9,40 @@ out, it logs why and ``impl="auto"`` uses Triton for build / verify / KV move
 instead. On the host CPU it builds tree attention's C kernel
 (``cpu_attention``, what ``auto`` then uses): a failure leaves the torch path
 and is an error only when the kernel was asked for.
+
+``warm_up(config, device, ...)`` is what the engine calls once its KV cache exists,
+before the first request: it launches once every Triton kernel variant
+(``triton_launch``) serving ``config`` can make, so none JIT-compiles inside
+a step. Serving meets new variants mid-run: an engine's scheduler cuts drafts
+to its token budget (vLLM: any tree size up to the configured one turns up),
+the adaptive budget switches shapes, the split-KV plan follows batch and
+context. ``ServingConfig`` and ``AttentionLayer`` describe the configuration
+in the kernels' terms; ``serving_launches`` enumerates one launch per variant
+through the entry points serving calls, on small dummy inputs.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
+from .modes import TreeMaskMode, parse_mask_mode
+from .tree_shape import TreeShape, parent_list_width, pool_size
+from .triton_launch import Launch, Variant, capturing
+
 logger = logging.getLogger("spec_tree_kernels")
+TRITON_OPS = ("select", "verify", "verify_sampling", "move_kv")  # the api ops with Triton kernels, attention aside
 
 
-def prepare(device) -> dict[str, str]:
+def prepare(device, build_timeout: float | None = None) -> dict[str, str]:
     """Call once at engine startup on the serving device. Returns the
-    implementation ``impl="auto"`` will use per op there (logged)."""
+    implementation ``impl="auto"`` will use per op there (logged).
+    build_timeout: seconds the CUDA build may take (default: ``cuda_ops.ensure_built``'s)."""
     # imported here, not at module level: ``import spec_tree_kernels`` must not load
     # cuda_ops, which the build child runs as __main__ (a second copy otherwise)
     from . import cuda_ops
@@ -30,7 +50,7 @@ def prepare(device) -> dict[str, str]:
 
     device = torch.device(device)
     if device.type == "cuda":
-        cuda_ops.ensure_built()
+        cuda_ops.ensure_built(timeout=build_timeout)
     elif device.type == "cpu":
         import os
 
@@ -49,3 +69,250 @@ def prepare(device) -> dict[str, str]:
     impls = {op: resolve_impl(op, "auto", device) for op in _AUTO_PREFERENCE}
     logger.info("spec_tree_kernels on %s: %s", device, impls)
     return impls
+
+
+# ------------------------------------------------- what serving can launch
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """A serving configuration as the tree kernels see it.
+
+    shapes           every shape the engine drafts: the configured one, or
+                     each speculative entry of the adaptive budget's menu
+    mode             the tree mask mode verify attention reads
+    prefix_trim      the engine verifies any BFS prefix of a drafted tree
+                     (vLLM's scheduler cuts drafts to its token budget), so
+                     trees of every size 2..T turn up; a tree of one node
+                     has no draft and launches nothing
+    verify_depth     D of the verify ops and the KV move: their accepted-path
+                     arrays are D + 1 wide. One D per configuration (at least
+                     every shape's deepest node, ``TreeShape.max_depth``), so
+                     the walks compile once per tree size, not per depth
+    max_batch        most trees of one size in a step (the engine's batch limit)
+    max_context_len  longest committed context (the engine's context limit)
+    vocab_size       V of the sampled verify's target distribution
+    context_dtype, accept_dtype, probs_dtype  what the engine passes as
+                     context lengths, accepted paths / lengths, and target
+                     probabilities (argument dtypes are part of a variant)
+    """
+
+    shapes: tuple
+    mode: TreeMaskMode
+    prefix_trim: bool
+    verify_depth: int
+    max_batch: int
+    max_context_len: int
+    vocab_size: int
+    context_dtype: torch.dtype = torch.int64
+    accept_dtype: torch.dtype = torch.int64
+    probs_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        object.__setattr__(self, "shapes", tuple(self.shapes))
+        object.__setattr__(self, "mode", parse_mask_mode(self.mode))
+        if not self.shapes or not all(isinstance(s, TreeShape) for s in self.shapes):
+            raise ValueError(f"shapes must be a non-empty sequence of TreeShape, got {self.shapes!r}")
+        deepest = max(s.max_depth for s in self.shapes)
+        if self.verify_depth < deepest:
+            raise ValueError(f"verify_depth={self.verify_depth} is shallower than the deepest drafted node ({deepest})")
+
+    @property
+    def tree_sizes(self) -> tuple[int, ...]:
+        """Every node count T a verify step can see."""
+        if self.prefix_trim:
+            return tuple(range(2, max(s.num_draft_tokens for s in self.shapes) + 1))
+        return tuple(sorted({s.num_draft_tokens for s in self.shapes if s.num_draft_tokens > 1}))
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One attention layer whose tree rows serving computes, as the kernels read it.
+
+    num_q_heads       Hq of the layer (per rank)
+    k_cache, v_cache  the layer's paged K / V views [num_blocks, block_size, Hkv, D]
+                      that serving reads (their dtype, strides and alignment
+                      are part of every variant; warm-up reads them, never writes)
+    block_table       the engine's block table [rows, width] for this layer:
+                      its width and dtype are what the kernels see (no row is read)
+    impl              the tree attention ``impl`` serving passes (``api.resolve_impl``)
+    """
+
+    num_q_heads: int
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    impl: str = "auto"
+
+
+def _attention_cases(nodes: int, layer: AttentionLayer, config: ServingConfig, device) -> list[tuple[int, int]]:
+    """(batch, context bound) pairs that reach every launch plan serving can
+    get for trees of ``nodes`` nodes: the plan (``plan_tree_attention``, the
+    one rule) depends on them only through the split count, which takes each
+    value ceil(context bound / min_chunk) allows; a larger batch never splits
+    more (more programs per chunk, a larger workspace), so the batches stop
+    at the first that stays single-pass at the longest context."""
+    from .attention_triton import SPLIT_MAX, plan_tree_attention
+
+    _, block_size, hkv, dim = layer.k_cache.shape
+    width = layer.block_table.shape[1]
+
+    def plan(batch: int, longest: int):
+        return plan_tree_attention(batch, nodes, layer.num_q_heads, hkv, dim, block_size, width, device,
+                                   max_context_len=longest)
+
+    longest = config.max_context_len
+    min_chunk = plan(1, longest).min_chunk
+    bounds = sorted({min(j * min_chunk, longest) for j in range(SPLIT_MAX + 1)})
+    cases: dict[tuple[str, int], tuple[int, int]] = {}
+    for batch in range(1, config.max_batch + 1):
+        for bound in bounds:
+            p = plan(batch, bound)
+            cases.setdefault((p.kernel, p.num_splits), (batch, bound))
+        if plan(batch, longest).kernel == "single":
+            break
+    return list(cases.values())
+
+
+class _DummyAttention:
+    """Verify attention inputs for ``layer`` on dummy data, made once per
+    (tree size, batch): empty contexts (tree positions only, so block 0 of the
+    real cache is read and nothing is written), chain-shaped trees, the mask
+    built as serving builds it (``tree_from_parents``)."""
+
+    def __init__(self, layer: AttentionLayer, config: ServingConfig):
+        self.layer, self.config = layer, config
+        self._inputs: dict[tuple[int, int], tuple] = {}
+
+    def inputs(self, nodes: int, batch: int):
+        key = (nodes, batch)
+        if key not in self._inputs:
+            from .api import tree_from_parents
+
+            layer, device = self.layer, self.layer.k_cache.device
+            parents = torch.arange(-1, nodes - 1, device=device).expand(batch, nodes)
+            context_lens = torch.zeros(batch, dtype=self.config.context_dtype, device=device)
+            mask = tree_from_parents(parents, context_lens.long(), self.config.mode).tree_mask
+            table = torch.zeros(batch, layer.block_table.shape[1], dtype=layer.block_table.dtype, device=device)
+            q = torch.zeros(batch, nodes, layer.num_q_heads, layer.k_cache.shape[3], dtype=layer.k_cache.dtype,
+                            device=device)
+            self._inputs[key] = table, context_lens, mask, q
+        return self._inputs[key]
+
+    def run(self, nodes: int, batch: int, bound: int) -> None:
+        """One verify attention of ``batch`` trees of ``nodes`` nodes with the
+        context bound ``bound``, through ``TreeAttentionPlan`` (what both
+        adapters call)."""
+        from .attention_plan import TreeAttentionPlan
+
+        table, context_lens, mask, q = self.inputs(nodes, batch)
+        layer = self.layer
+        plan = TreeAttentionPlan.create(table, context_lens, mask, self.config.mode, nodes, layer.k_cache.shape[1],
+                                        bound, impl="triton")
+        plan.run(q, layer.k_cache, layer.v_cache)
+
+
+def _attention_signature(layer: AttentionLayer, config: ServingConfig) -> frozenset:
+    """The variants of one small verify attention over ``layer``: layers with
+    equal ones launch equal variants for every case (the cache views' dtype,
+    strides and alignment, the head counts and the table are all in them)."""
+    with capturing() as launches:
+        _DummyAttention(layer, config).run(config.tree_sizes[-1], 1, 0)
+    return frozenset(launch.variant for launch in launches)
+
+
+def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | None = None,
+                     layers: Sequence[AttentionLayer] = (), kv_caches: Sequence[torch.Tensor] = ()) -> list[Launch]:
+    """One ``Launch`` per Triton variant serving ``config`` on ``device`` can
+    make, each captured from the public entry point serving calls
+    (``api.select_tree_nodes`` / ``verify_tree_greedy`` / ``verify_tree_sampling``
+    / ``move_accepted_kv``, ``TreeAttentionPlan``) on small dummy inputs of
+    the dtypes, strides and alignment serving passes.
+
+    impls: op (``TRITON_OPS``) -> the impl serving passes (default "auto");
+    only ops that resolve to Triton count.
+    layers: every attention layer whose tree rows serving computes.
+    kv_caches: every [num_blocks, block_size, H, D] view the KV move reads.
+    """
+    from . import api
+
+    device = torch.device(device)
+    impls = {op: (impls or {}).get(op, "auto") for op in TRITON_OPS}
+    triton_ops = {op for op, impl in impls.items() if api.resolve_impl(op, impl, device) == "triton"}
+    found: dict[Variant, Launch] = {}
+
+    def add(case: Callable[[], object]) -> None:
+        with capturing() as launches:
+            case()
+        for held in launches:
+            found.setdefault(held.variant, held)
+
+    def zeros(*shape, dtype=torch.int64):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    if "select" in triton_ops:
+        for s in config.shapes:
+            if s.topk > 1:  # a chain's selection is its pool's first T - 1 entries: nothing ranks it
+                add(lambda s=s: api.select_tree_nodes(
+                    zeros(1, pool_size(s.topk, s.num_steps), dtype=torch.float32),
+                    zeros(1, parent_list_width(s.topk, s.num_steps)), s.topk, s.num_steps, s.num_draft_tokens,
+                    validate=False, impl=impls["select"]))
+    width = config.verify_depth + 1
+    for nodes in config.tree_sizes:
+        no_links = torch.full((1, nodes), -1, dtype=torch.int64, device=device)
+        if "verify" in triton_ops:
+            add(lambda n=nodes, links=no_links: api.verify_tree_greedy(
+                zeros(1, n), links, links, zeros(1, n), config.verify_depth, impl=impls["verify"]))
+        if "verify_sampling" in triton_ops:
+            p = config.probs_dtype
+            add(lambda n=nodes, links=no_links: api.verify_tree_sampling(
+                zeros(1, n), links, links, zeros(1, n, config.vocab_size, dtype=p), zeros(1, n, dtype=p),
+                torch.ones(1, config.vocab_size, dtype=p, device=device), config.verify_depth,
+                impl=impls["verify_sampling"]))
+        if "move_kv" in triton_ops and kv_caches:  # nothing accepted: reads the slots, moves no row
+            add(lambda n=nodes: api.move_accepted_kv(
+                kv_caches, zeros(1, n), torch.full((1, width), -1, dtype=config.accept_dtype, device=device),
+                zeros(1, dtype=config.accept_dtype), impl=impls["move_kv"]))
+    representatives: dict[frozenset, AttentionLayer] = {}
+    for layer in layers:
+        if api.resolve_impl("attention", layer.impl, layer.k_cache.device) == "triton":
+            representatives.setdefault(_attention_signature(layer, config), layer)
+    for layer in representatives.values():
+        dummy = _DummyAttention(layer, config)
+        for nodes in config.tree_sizes:
+            for batch, bound in _attention_cases(nodes, layer, config, device):
+                add(lambda n=nodes, b=batch, c=bound: dummy.run(n, b, c))
+    return list(found.values())
+
+
+@dataclass
+class WarmUp:
+    """What ``warm_up`` launched: one ``Variant`` per launch, and the wall time."""
+
+    variants: list
+    seconds: float
+
+    def counts(self) -> dict[str, int]:
+        """Variants per kernel."""
+        return dict(Counter(v.kernel for v in self.variants))
+
+
+def warm_up(config: ServingConfig, device, *, impls: dict[str, str] | None = None,
+            layers: Sequence[AttentionLayer] = (), kv_caches: Sequence[torch.Tensor] = ()) -> WarmUp:
+    """Launch every Triton variant serving ``config`` can make once, now
+    (``serving_launches``; same arguments): on a GPU each compiles here, at
+    startup, instead of stalling a step under load. Call it after the KV cache
+    exists and before the first request. Where nothing resolves to Triton (the
+    host CPU unless ``SPEC_TREE_KERNELS_IMPL=triton``) it launches nothing."""
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    launches = serving_launches(config, device, impls=impls, layers=layers, kv_caches=kv_caches)
+    for held in launches:
+        held.run()
+    if launches and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    done = WarmUp([held.variant for held in launches], time.perf_counter() - t0)
+    if launches:
+        logger.info("spec_tree_kernels: warmed %d Triton variants on %s in %.1f s %s", len(done.variants), device,
+                    done.seconds, done.counts())
+    return done

@@ -87,6 +87,12 @@ class TreeShape:
         except ValueError as err:
             raise ValueError(f"shape {text!r}: {err}") from None
 
+    @property
+    def max_depth(self) -> int:
+        """Depth of the deepest node a tree of this shape can have (the most
+        drafts one request can accept): min(num_steps, T - 1)."""
+        return min(self.num_steps, self.num_draft_tokens - 1)
+
     def as_tuple(self) -> tuple[int, int, int]:
         """(num_steps, topk, num_draft_tokens)."""
         return (self.num_steps, self.topk, self.num_draft_tokens)

@@ -289,7 +289,7 @@ def bench_rounds(args) -> list[int] | None:
 
 def cmd_bench(args) -> int:
     vb = repository_part("spec_plugins.vllm_bench", "spec-plugins bench")
-    from spec_plugins import bench_noise
+    bench_noise = repository_part("spec_plugins.bench_noise", "spec-plugins bench")
 
     rounds = bench_rounds(args)
     if rounds:

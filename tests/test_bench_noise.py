@@ -106,8 +106,9 @@ def test_table_shows_the_spread_and_marks_unresolved_ratios():
     assert "| 1.07 | 1.22 |" in chain_line
 
 
-def test_report_puts_the_summary_above_the_table(tmp_path):
-    pytest.importorskip("matplotlib")
+def test_report_puts_the_summary_above_the_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(vb, "plot", lambda rows, path: None)  # the plots are the engine test's (matplotlib)
+    monkeypatch.setattr(vb, "plot_concurrency", lambda rows, path: None)
     rows = [{**r, "tau": None} for r in quiet_rows()]
     vb.write_report(rows, {"m": 1}, tmp_path, ["line one", "line two"])
     assert (tmp_path / "results.md").read_text().startswith("- line one\n- line two\n\n| config |")

@@ -69,10 +69,9 @@ def main(argv=None) -> int:
     from triton.backends.compiler import GPUTarget
 
     import spec_tree_kernels.attention_triton as at
+    from spec_tree_kernels.triton_launch import capturing
 
     target = GPUTarget("cuda", args.arch, 32)
-    launches = []
-    at._launch = lambda kernel, grid, *a, **k: launches.append((kernel, grid, a, k))  # capture, do not run
     at._triton_usable = lambda device: True
     failed = 0
     for kernel, dtype_name, mode, nodes, hq, hkv, dim, block_size, extra in LAUNCHES:
@@ -88,9 +87,10 @@ def main(argv=None) -> int:
             mask = torch.zeros(batch, 2, nodes, dtype=torch.int16)
         else:
             mask = torch.zeros(batch * nodes * nodes, dtype=torch.bool)
-        launches.clear()
-        at.tree_attention_triton(q, k_cache, k_cache.clone(), table, ctx, mask, mode, kernel=kernel, block_n=64, **extra)
-        for jitfn, grid, a, k in launches:
+        with capturing() as launches:  # held, not run
+            at.tree_attention_triton(q, k_cache, k_cache.clone(), table, ctx, mask, mode, kernel=kernel, block_n=64,
+                                     **extra)
+        for jitfn, grid, a, k in ((h.kernel, h.grid, h.args, h.kwargs) for h in launches):
             t0 = time.time()
             row = dict(kernel=jitfn.__name__, dtype=dtype_name, mode=mode, T=nodes, grid=list(grid), arch=args.arch)
             try:

@@ -34,7 +34,7 @@ def verify_tokens(shape: Shape) -> int:
 
 def shape_depth(shape: TreeShape) -> int:
     """Deepest tree node = most draft tokens one request can accept."""
-    return min(shape.num_steps, shape.num_draft_tokens - 1)
+    return shape.max_depth
 
 
 def _make_shape(triple: Sequence, where: str) -> TreeShape:

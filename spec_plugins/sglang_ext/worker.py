@@ -72,14 +72,8 @@ def prepare_tree_kernels(device) -> dict:
     """Build or load the tree kernels on ``device`` now; on failure or timeout
     ``prepare`` logs why and ``impl="auto"`` serves with Triton."""
     device = torch.device(device)
-    if device.type == "cuda":
-        # prepare() would build under the kernels' own timeout; building first
-        # under ours leaves it a loaded (or failed) build to report. Imported
-        # here: the build child runs cuda_ops as __main__ (see startup.py).
-        from spec_tree_kernels import cuda_ops
-
-        cuda_ops.ensure_built(timeout=startup_build_timeout(get_device().watchdog_timeout))
-    return stk.prepare(device)
+    timeout = startup_build_timeout(get_device().watchdog_timeout) if device.type == "cuda" else None
+    return stk.prepare(device, build_timeout=timeout)
 
 
 class EagleTreeWorker(EAGLEWorkerV2):

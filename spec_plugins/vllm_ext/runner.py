@@ -55,7 +55,7 @@ from .attention import VerifyTrees, check_tree_attention_installed, publish_veri
 from .config import settings_from_vllm_config
 from .proposer import TreeDrafter, check_head_fits_target, check_loaded_head
 from .requests import install_full_logitsprocs, may_speculate
-from .startup_checks import check_at_startup
+from .startup_checks import check_at_startup, warm_tree_kernels
 
 
 @dataclass
@@ -66,7 +66,7 @@ class TreeGroup:
     candidates [B, T] int64 node tokens (root first); ``build``: their
     ``TreeBuild`` (mask, positions, retrieve links), made on first use: a step
     of greedy chains verifies through vLLM's rejection sampler and never
-    reads it; max_depth: deepest node.
+    reads it.
     """
 
     rows: list
@@ -93,12 +93,6 @@ class TreeGroup:
     def build(self) -> stk.TreeBuild:
         # Built on the host (a few hundred bytes) and copied once: no device syncs per step.
         return stk.TreeBuild(*(t.to(self.q_starts.device, non_blocking=True) for t in self.host_build))
-
-    @functools.cached_property
-    def max_depth(self) -> int:
-        if self.all_chains:
-            return len(self.tokens[0]) - 1
-        return int((self.host_build.positions - self.host_context_lens[:, None]).max())
 
     @property
     def greedy(self) -> list[int]:
@@ -157,6 +151,8 @@ class TreeStats:
     decode_draft_seconds: float = 0.0  # sum over steps of decoding requests x drafting
     budget_steps: dict = field(default_factory=dict)  # adaptive budget: steps each menu entry was drafted ("none", "5,4,8")
     tree_attention_impl: str = ""  # what verifies tree rows (spec_tree_kernels impl: "cpu", "torch", "triton")
+    warmed_variants: int = 0  # Triton kernel variants launched at startup (none where nothing runs Triton)
+    warm_up_seconds: float = 0.0  # their wall time
 
 
 def range_start(starts, T: int) -> int | None:
@@ -207,7 +203,10 @@ def chain_spec_decode_metadata(drafts: list[list[int]], device):
 class TreeRunnerMixin:
     """Put first in the bases: ``class R(TreeRunnerMixin, GPUModelRunner)``."""
 
-    tree_impl = "torch"  # spec_tree_kernels implementation for select/verify/KV move
+    # spec_tree_kernels implementation for select/verify/KV move (``resolve_impl``): on CUDA
+    # Triton select and CUDA build/verify/KV move (Triton where they did not build); on the
+    # host CPU the reference, unless SPEC_TREE_KERNELS_IMPL says otherwise
+    tree_impl = "auto"
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
@@ -217,6 +216,10 @@ class TreeRunnerMixin:
         if self.uses_mrope:
             raise RuntimeError("spec-plugins tree runner: M-RoPE models are not supported")
         self.tree_settings = settings
+        # D of every walk and KV move (their accepted-path arrays are D + 1 wide): one for all
+        # steps, so each tree size has one kernel variant (warmed at startup). The deepest tree
+        # of at most T nodes, a chain of a draft the runner did not make included, has T - 1 levels.
+        self.verify_depth = settings.num_spec_tokens
         self.tree_drafter: TreeDrafter | None = None
         self.tree_stats = TreeStats()
         self._drafted: dict[str, tuple[list, list]] = {}  # req_id -> (tokens, parents) behind its spec tokens
@@ -254,6 +257,8 @@ class TreeRunnerMixin:
         check_tree_attention_installed(self.compilation_config.static_forward_context,
                                        target_layers + sorted(draft_layers))
         check_at_startup(self, target_layers, sorted(draft_layers))  # layouts/variants: refuse now, not per request
+        warmed = warm_tree_kernels(self, target_layers, sorted(draft_layers))  # compile now, not in a step
+        self.tree_stats.warmed_variants, self.tree_stats.warm_up_seconds = len(warmed.variants), warmed.seconds
         install_full_logitsprocs(self)  # logit_bias, min_p, entry-point processors apply as without speculation
         impl = self.compilation_config.static_forward_context[target_layers[0]].impl.tree_impl
         self.tree_stats.tree_attention_impl = stk.resolve_impl("attention", impl, self.device)
@@ -485,7 +490,7 @@ class TreeRunnerMixin:
     def _verify_greedy(self, g: TreeGroup, members: list[int]) -> stk.VerifyResult:
         sel = torch.tensor(members, device=g.candidates.device)
         return stk.verify_tree_greedy(g.candidates[sel], g.build.retrieve_next_token[sel],
-                                      g.build.retrieve_next_sibling[sel], g.predict[sel], max(g.max_depth, 1),
+                                      g.build.retrieve_next_sibling[sel], g.predict[sel], self.verify_depth,
                                       impl=self.tree_impl)
 
     def _verify_sampled(self, g: TreeGroup, members: list[int], node_logits: torch.Tensor) -> stk.VerifyResult:
@@ -506,7 +511,7 @@ class TreeRunnerMixin:
         coins, exponentials = sampling.draw_randoms(batch_rows, T, V, metadata.generators, probs.device)
         return stk.verify_tree_sampling(g.candidates[sel], g.build.retrieve_next_token[sel],
                                         g.build.retrieve_next_sibling[sel], probs, coins, exponentials,
-                                        max(g.max_depth, 1), impl=self.tree_impl)
+                                        self.verify_depth, impl=self.tree_impl)
 
     @staticmethod
     def _paths_as_chains(groups: dict[int, TreeGroup], paths: dict[int, list], num_draft: np.ndarray,
@@ -572,7 +577,7 @@ class TreeRunnerMixin:
         for T, g in groups.items():
             paths = [self._accepted_paths[row] for row in g.rows]
             if any(p != list(range(len(p))) for p in paths):
-                moves.append((T, g, *accepted_path_tensors(paths, g.max_depth + 1)))
+                moves.append((T, g, *accepted_path_tensors(paths, self.verify_depth + 1)))
         if not moves:
             return
         for gid, kv_group in enumerate(self.kv_cache_config.kv_cache_groups):

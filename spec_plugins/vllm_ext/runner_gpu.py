@@ -13,7 +13,5 @@ from .runner import TreeRunnerMixin
 
 
 class TreeGPUModelRunner(TreeRunnerMixin, GPUModelRunner):
-    tree_impl = "auto"  # Triton select, CUDA build/verify/KV move
-
     def kv_views(self, kv_cache):
         return flash_kv_views(kv_cache)

@@ -12,6 +12,10 @@ the first request and everything in flight with it.
 * The K layout of every cache the runner or the tree rows read is resolved
   now: on CPU that runs the probe through vLLM's own cache-write op, which
   refuses a tiled layout (AMX with bf16).
+
+Then ``warm_tree_kernels`` launches every Triton kernel variant serving can
+make (``spec_tree_kernels.startup.warm_up``), so none JIT-compiles inside a
+step.
 """
 
 from __future__ import annotations
@@ -69,3 +73,35 @@ def check_attention_layer(name: str, layer, model_dtype: torch.dtype) -> None:
         raise TreeConfigError(f"spec_tree: attention layer {name} has a {cache_dtype} KV cache of {kv.dtype}, model "
                               f"dtype {model_dtype}: the tree rows read the cache in the model dtype "
                               "(kv_cache_dtype='auto')")
+
+
+def warm_tree_kernels(runner, target_layers, draft_layers):
+    """Launch once every Triton variant the runner's steps can make (on CUDA:
+    tree attention and selection, and the walks and the KV move where the CUDA
+    ops did not build; on the host CPU nothing unless SPEC_TREE_KERNELS_IMPL=triton).
+
+    What varies mid-serving is covered: the scheduler cuts a request's drafts
+    to any BFS prefix (every tree size 2..T), the adaptive budget drafts each
+    menu shape, batches group trees by size (1..max_num_seqs) and contexts
+    grow to max_model_len (the split-KV plan follows both). Every layer with
+    tree rows takes part (the head's too: its extend runs them), read through
+    its real cache views. Returns ``spec_tree_kernels.startup.WarmUp``."""
+    from spec_tree_kernels.startup import TRITON_OPS, AttentionLayer, ServingConfig, warm_up
+
+    settings = runner.tree_settings
+    shapes = [s for s in settings.menu if s is not None] if settings.menu else [settings.shape]
+    config = ServingConfig(shapes=shapes, mode=settings.mask_mode, prefix_trim=True,
+                           verify_depth=runner.verify_depth, max_batch=runner.scheduler_config.max_num_seqs,
+                           max_context_len=runner.max_model_len, vocab_size=runner.model_config.get_vocab_size())
+    ctx = runner.compilation_config.static_forward_context
+    group_of = {name: gid for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups)
+                for name in group.layer_names}
+    layers = []
+    for name in [*target_layers, *draft_layers]:
+        layer = ctx[name]
+        k_view, v_view = layer.impl.kv_views(layer, layer_kv(layer))
+        block_table = runner.input_batch.block_table[group_of[name]].block_table.gpu  # what attn_metadata carries
+        layers.append(AttentionLayer(layer.impl.num_heads, k_view, v_view, block_table, layer.impl.tree_impl))
+    kv_caches = [view for name in group_of for view in runner.kv_views(layer_kv(ctx[name]))]  # as the KV move reads
+    return warm_up(config, runner.device, impls=dict.fromkeys(TRITON_OPS, runner.tree_impl), layers=layers,
+                   kv_caches=kv_caches)
