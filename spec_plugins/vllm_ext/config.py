@@ -258,12 +258,16 @@ def merge_spec_flags(engine_args) -> dict:
         value = getattr(engine_args, field_name, None)
         if value is None:
             continue
-        if spec.get(key, value) != value:
-            raise TreeConfigError(f"{flag} {value!r} disagrees with {key}={spec[key]!r} given by --speculative-config "
-                                  "or --speculative-draft-model-path; give it once")
-        spec[key] = value
+        set_once(spec, key, value, flag, "--speculative-config or --speculative-draft-model-path")
         setattr(engine_args, field_name, None)
     return spec
+
+
+def set_once(spec: dict, key: str, value, flag: str, other: str) -> None:
+    """spec[key] = value, unless ``other`` (another spelling) already gave it a different value."""
+    if spec.get(key, value) != value:
+        raise TreeConfigError(f"{flag} {value!r} disagrees with {key}={spec[key]!r} given by {other}; give it once")
+    spec[key] = value
 
 
 def settings_with_spec_tokens(raw, num_speculative_tokens) -> TreeSettings:
@@ -533,10 +537,7 @@ def apply_cli_flags(engine_args, namespace) -> None:
         value = tree_flags[flag]
         if value is None:
             continue
-        if spec.get(key, value) != value:
-            raise TreeConfigError(f"{flag} {value!r} disagrees with --speculative-config {key}={spec[key]!r}; "
-                                  "give it once")
-        spec[key] = value
+        set_once(spec, key, value, flag, "--speculative-config")
     engine_args.speculative_config = spec or None
     tree = {}
     for key, dest in (("num_steps", "speculative_num_steps"), ("topk", "speculative_eagle_topk"),
