@@ -214,7 +214,7 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
             f"got method={spec['method']!r}")
     if not spec.get("model"):
         raise TreeConfigError(f"spec_tree needs a draft head (EAGLE-1 or EAGLE-3): {HEAD_SPELLINGS}")
-    if spec.get("method") is None:  # vLLM itself guesses from the name only ("eagle3" in it): read the config
+    if spec.get("method") is None:  # vLLM itself guesses from the head's name only: read its config
         spec["method"] = detect_head_method(spec["model"], spec.get("revision"), spec.get("code_revision"),
                                             bool(getattr(engine_args, "trust_remote_code", False)))
     if spec.get("disable_padded_drafter_batch"):
