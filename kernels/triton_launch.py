@@ -148,11 +148,39 @@ def variant_key(kernel, args: Sequence, kwargs: dict) -> Variant:
     ``compute_cache_key`` makes its key. (``run`` also adds the process-wide
     debug / instrumentation options; constant within a process, they never
     tell a warmed variant from a served one, so they are left out.)"""
-    from triton.runtime.jit import compute_cache_key
-
-    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cuda")
-    constexpr_names, binder = _binder(kernel, device)
-    bound, specialization, options = binder(*args, **kwargs)
     name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+    try:
+        from triton.runtime.jit import compute_cache_key
+
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cuda")
+        constexpr_names, binder = _binder(kernel, device)
+        bound, specialization, options = binder(*args, **kwargs)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:  # another Triton's internals
+        return _finer_key(name, args, kwargs, exc)
     return Variant(name, compute_cache_key({}, specialization, options),
                    tuple((n, bound[n]) for n in constexpr_names))
+
+
+def _finer_key(name: str, args: Sequence, kwargs: dict, why: Exception) -> Variant:
+    """Where this Triton's binder cannot be called: a key finer than any
+    Triton's (each tensor's dtype and 16-byte alignment, every other argument's
+    value), so two launches that share it share Triton's key too. Deduplicating
+    by it warms more launches than needed, never fewer."""
+    if not _warned_finer_key:
+        _warned_finer_key.append(True)
+        import logging
+
+        logging.getLogger("spec_tree_kernels").warning(
+            "spec_tree_kernels: Triton's argument binder is not callable here (%s: %s); Triton variants are told "
+            "apart by a finer key (more warm-up launches, none missed)", type(why).__name__, why)
+
+    def part(value):
+        if isinstance(value, torch.Tensor):
+            return f"{value.dtype}@{value.data_ptr() % 16}"
+        return repr(value)
+
+    key = "|".join([*map(part, args), *(f"{k}={part(v)}" for k, v in sorted(kwargs.items()))])
+    return Variant(name, key, tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))))
+
+
+_warned_finer_key: list = []

@@ -227,3 +227,27 @@ def test_serving_launches_only_warmed_variants():
     kernels = {v.kernel for v in served}
     assert {"_tree_attention_kernel", "_tree_attention_split_kernel", "_tree_attention_merge_kernel",
             "_verify_kernel", "_verify_sampling_kernel", "_move_kv_kernel", "_select_kernel"} <= kernels
+
+
+def test_without_tritons_binder_the_key_is_finer_never_coarser(monkeypatch):
+    """Another Triton release whose binder cannot be called: launches are told
+    apart by a finer key, so the warm-up runs more of them and misses none."""
+    import triton
+    import triton.language as tl
+
+    from spec_tree_kernels import triton_launch
+
+    @triton.jit
+    def tiny_kernel(x_ptr, n, BLOCK: tl.constexpr):
+        pass
+
+    def no_binder(kernel, device_type):
+        raise AttributeError("create_function_from_signature")
+
+    x = torch.zeros(32, dtype=torch.float32)
+    launches = ((x, 3), (x, 5), (x[1:], 3))  # n=3 and n=5 specialize alike; x[1:] is not 16-byte aligned
+    tritons = {triton_launch.variant_key(tiny_kernel, args, {"BLOCK": 16}) for args in launches}
+    monkeypatch.setattr(triton_launch, "_binder", no_binder)
+    finer = {triton_launch.variant_key(tiny_kernel, args, {"BLOCK": 16}) for args in launches}
+    assert len(tritons) == 2 and len(finer) == 3
+    assert triton_launch.variant_key(tiny_kernel, (x, 3), {"BLOCK": 16}) in finer  # the same launch, the same key

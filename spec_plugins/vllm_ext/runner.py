@@ -248,8 +248,10 @@ class TreeRunnerMixin:
                           spec.draft_model_config.model)
         self.tree_drafter = TreeDrafter(self, self.tree_settings.shape, self.tree_impl)
 
-    def initialize_kv_cache(self, *args, **kwargs):
-        super().initialize_kv_cache(*args, **kwargs)
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, *args, **kwargs):
+        super().initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
+        if is_profiling:  # vLLM's CUDA-graph memory profile on a throwaway cache: the real one comes next
+            return
         draft_layers = set(self.drafter._draft_attn_layer_names)
         target_layers = [n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names
                          if n not in draft_layers]

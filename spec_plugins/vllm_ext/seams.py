@@ -140,7 +140,8 @@ SEAMS: tuple[Seam, ...] = (
     # --- the runner: overridden methods (runner.py) -------------------------------------------------------------
     Seam(GMR, "__init__", "method", "vllm_config, device", "TreeRunnerMixin.__init__ passes them through"),
     Seam(GMR, "load_model", "method", "load_dummy_weights, model", "then the tree proposer loads the head"),
-    Seam(GMR, "initialize_kv_cache", "method", "kv_cache_config, ...", "then the tree startup checks"),
+    Seam(GMR, "initialize_kv_cache", "method", "kv_cache_config, is_profiling, ...",
+         "then the tree startup checks and warm-up, skipped for the profiling cache"),
     Seam(GMR, "_update_states", "method", "scheduler_output", "finished requests' trees dropped"),
     Seam(GMR, "_dummy_run", "method", "num_tokens, ...",
          "called (adaptive budget): timed plain forwards of B one-token requests seed t_V(1, B) at startup"),
