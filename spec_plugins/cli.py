@@ -311,7 +311,7 @@ def cmd_bench(args) -> int:
     if rounds:
         results = vb.run_interleaved(configs, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
                                      rounds, args.temperatures, log=log_line, progress=progress_printer,
-                                     load=args.load)
+                                     load=args.load, warmup_rounds=args.warmup_rounds)
     else:
         results = run_all(model, configs, prompts, args.max_tokens, args.concurrency, args.repeats, args.temperatures,
                           args.load)
@@ -325,7 +325,8 @@ def cmd_bench(args) -> int:
     warnings += bench_noise.noise_warnings(rows)
     summary = bench_noise.summary_lines(rows, warnings)
     meta = {"model": model, "prompts": [pid for pid, _ in prompts], "max_tokens": args.max_tokens,
-            "repeats": args.repeats, "interleave": rounds, "temperatures": args.temperatures,
+            "repeats": args.repeats, "interleave": rounds, "warmup_rounds": args.warmup_rounds if rounds else 0,
+            "temperatures": args.temperatures,
             "sampled_top_p": vb.SAMPLED_TOP_P, "concurrency": args.concurrency, "load": args.load,
             "engine": _engine_version(), "warnings": warnings}
     vb.write_report(rows, meta, Path(args.out), summary)
@@ -518,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "configuration's engine stays alive at once (one engine-core process each) and the "
                             "rounds run them in rotated order; tokens/s is the median round, ratios the medians of "
                             "per-round ratios (the machine's drift hits all alike), with the rounds' spread shown")
+    bench.add_argument("--warmup-rounds", type=int, default=1,
+                       help="interleaved: rounds per level run first and not counted (default 1: a level's first "
+                            "requests meet new shapes and ran 20-25%% slower for every configuration)")
     bench.add_argument("--sequential", action="store_true",
                        help="one engine at a time instead, each configuration once (or --repeats times): less "
                             "memory, but a drift of the machine's speed lands in the ratios unseen")
@@ -560,6 +564,9 @@ def main(argv=None) -> int:
             if value is not None and value < 1:
                 print(f"spec-plugins: --{name.replace('_', '-')} must be >= 1, got {value}")
                 return 2
+    if getattr(args, "warmup_rounds", 0) < 0:
+        print(f"spec-plugins: --warmup-rounds must be >= 0, got {args.warmup_rounds}")
+        return 2
     if getattr(args, "sequential", False) and args.interleave:
         print("spec-plugins: --sequential and --interleave exclude each other")
         return 2

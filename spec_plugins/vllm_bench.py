@@ -138,10 +138,13 @@ def join_slices(runs: list[RunResult]) -> RunResult:
 
 def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], max_tokens: int, levels,
                     rounds, temperatures=(0.0,), log=None, progress=None, load: str = "steady",
-                    **engine_extra) -> dict:
+                    warmup_rounds: int = 1, **engine_extra) -> dict:
     """{(config, concurrency, temperature): RunResult} with every
     configuration's engine alive at once (each warmed up once): per
-    temperature and level, ``rounds`` rounds (``rounds_per_level``) in each of which every
+    temperature and level, ``warmup_rounds`` rounds whose results are dropped
+    (a level's first requests meet new shapes: oneDNN builds a primitive per
+    GEMM shape, the allocator grows; measured, the first round ran 20-25 % slower
+    for every configuration), then ``rounds`` rounds (``rounds_per_level``) in each of which every
     configuration runs the whole prompt set, in rotated order, at
     concurrency 1 prompt by prompt (``round_slices``; see ``merge_rounds`` for
     what a RunResult then holds). log: takes a line of
@@ -153,25 +156,30 @@ def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], m
     with _multiprocess_engines():
         engines = start_engines(configs, model, prompts[0], log,
                                 **{"distributed_executor_backend": _executor_in_engine_core(), **engine_extra})
+
+        def run_round(order: list[int], level: int, temp: float, label: str) -> dict[int, RunResult]:
+            slices = round_slices(len(prompts), level)
+            parts: dict[int, list] = {}
+            round_bar = progress(f"all configurations c{level} {label}") if progress and len(slices) > 1 else None
+            for s_idx, chunk in enumerate(slices):
+                for i in order[s_idx % len(order):] + order[: s_idx % len(order)]:  # rotated per slice
+                    e = engines[i]
+                    _use_collectors(e.collectors)
+                    show = progress(f"{e.cfg.name} c{level} {label}") if progress and len(slices) == 1 else None
+                    parts.setdefault(i, []).append(
+                        _timed_run(e.llm, e.cfg, [prompts[k] for k in chunk], max_tokens, level, temp, show, load))
+                if round_bar:
+                    round_bar(s_idx + 1, len(slices))
+            return {i: join_slices(slice_runs) for i, slice_runs in parts.items()}
+
         try:
             for (temp, level, r), entries in itertools.groupby(schedule, key=lambda entry: entry[:3]):
                 order = [i for *_, i in entries]
-                slices = round_slices(len(prompts), level)
-                parts: dict[int, list] = {}
-                round_bar = progress(f"all configurations c{level} r{r + 1}/{per_level[level]}") if (
-                    progress and len(slices) > 1) else None
-                for s_idx, chunk in enumerate(slices):
-                    for i in order[s_idx % len(order):] + order[: s_idx % len(order)]:  # rotated per slice
-                        e = engines[i]
-                        _use_collectors(e.collectors)
-                        show = progress(f"{e.cfg.name} c{level} r{r + 1}/{per_level[level]}") if (
-                            progress and len(slices) == 1) else None
-                        parts.setdefault(i, []).append(
-                            _timed_run(e.llm, e.cfg, [prompts[k] for k in chunk], max_tokens, level, temp, show, load))
-                    if round_bar:
-                        round_bar(s_idx + 1, len(slices))
-                for i, slice_runs in parts.items():
-                    runs.setdefault((engines[i].cfg, level, temp), []).append(join_slices(slice_runs))
+                if r == 0:
+                    for w in range(warmup_rounds):
+                        run_round(order, level, temp, f"warm-up {w + 1}/{warmup_rounds} (not counted)")
+                for i, result in run_round(order, level, temp, f"r{r + 1}/{per_level[level]}").items():
+                    runs.setdefault((engines[i].cfg, level, temp), []).append(result)
             log("after the runs: " + memory_report(engines))
         finally:
             stop_engines(engines)

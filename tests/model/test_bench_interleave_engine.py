@@ -28,7 +28,7 @@ def test_bench_interleave_two_rounds(tmp_path, capsys, monkeypatch):
                    "--max-tokens", "16", "--concurrency", "1", "--interleave", "2", "--budget", "--out", str(out)])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
-    assert data["meta"]["interleave"] == [2]
+    assert data["meta"]["interleave"] == [2] and data["meta"]["warmup_rounds"] == 1
     rows = data["rows"]
     assert [r["config"] for r in rows] == ["no-spec", "eagle3 tree(5,4,8)"]
     assert all(r["identical"] is True and len(r["all_tokens_per_s"]) == 2 for r in rows)
@@ -46,6 +46,7 @@ def test_bench_interleave_two_rounds(tmp_path, capsys, monkeypatch):
     captured = capsys.readouterr()
     err = captured.err
     assert "2 engines alive, RSS" in err and "GiB still available" in err
+    assert "warm-up 1/1 (not counted)" in err  # run first, then the two counted rounds
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the mode's own setting does not leak
     # the summary: printed last and at the top of results.md, with the noise verdict of the two rounds
     summary = data["summary"]
