@@ -8,7 +8,7 @@
 # 1 and 8, every engine alive at once and run in interleaved rounds (tokens/s,
 # the rounds' spread, ratios as medians of same-round ratios, tau, cost model,
 # outputs compared token for token), then a four-line summary with the noise
-# verdict. About 15 minutes on 2 cores; `--full` adds the EAGLE-1 head and the
+# verdict. About 9 minutes on 2 cores; `--full` adds the EAGLE-1 head and the
 # (6,8,32) tree. Extra arguments go to `spec-plugins bench` (see --help);
 # results in bench_out/vllm/{results.md,results.json,bench.png}.
 set -euo pipefail
