@@ -36,6 +36,7 @@ from .modes import MAX_TREE_NODES, TreeMaskMode, max_nodes, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
 from .tree_shape import check_positive as _check_positive
 from .tree_shape import parent_list_width, pool_size, validate_tree_shape  # noqa: F401  (the public API)
+from .triton_launch import triton_interpreting
 
 IMPLS = ("torch", "triton", "cuda", "cpu")
 # Per op, the faster GPU implementation as measured on an H200 (results/): CUDA
@@ -77,7 +78,7 @@ def triton_usable(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cpu" and triton_interpreting()
 
 
 def cpu_attention_usable() -> bool:

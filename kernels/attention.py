@@ -67,7 +67,6 @@ from .attention_reference import (  # noqa: F401  (re-exported)
 )
 from .attention_triton import (  # noqa: F401  (re-exported)
     AttentionPlan,
-    _interpreting,
     _triton_usable,
     plan_tree_attention,
     tree_attention_triton,

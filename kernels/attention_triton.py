@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import triton_launch  # the one launch seam (recorded; captured: the warm-up, tests/triton_aot.py)
+from .triton_launch import triton_interpreting
 from .api import triton_usable
 from .attention_reference import _check_inputs, _default_scale
 from .modes import TreeMaskMode, ancestor_bitmask_words
@@ -447,8 +447,6 @@ def _tree_attention_merge_kernel(
 # ----------------------------------------------------------------------- plan
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _triton_usable(device: torch.device) -> bool:
@@ -679,7 +677,7 @@ def run_planned_attention(plan: AttentionPlan, q, k_cache, v_cache, block_table,
         BLOCK_D=max(16, _next_pow2(dim)),
         # fp32 inputs get IEEE fp32 dots; so do bf16 ones under TRITON_INTERPRET,
         # whose tl.dot multiplies bf16's raw uint16 storage as integers (Triton 3.9)
-        DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
+        DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and triton_interpreting()),
     )
     qk_scale = _default_scale(scale, dim) * math.log2(math.e)
 
@@ -702,7 +700,7 @@ def run_planned_attention(plan: AttentionPlan, q, k_cache, v_cache, block_table,
         HQ=hq, **common, **launch,
     )  # fmt: skip
     # one row per program on a GPU (parallelism); many per program in the interpreter (speed)
-    rows = min(_next_pow2(nodes * hq), 256) if _interpreting() else 1
+    rows = min(_next_pow2(nodes * hq), 256) if triton_interpreting() else 1
     triton_launch.launch(
         _tree_attention_merge_kernel, (triton.cdiv(nodes * hq, rows), batch),
         o_part, lse_part, out, context_lens, *out.stride(), splits, plan.min_chunk,

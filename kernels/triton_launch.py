@@ -115,8 +115,11 @@ def capturing():
 _binders: dict = {}
 
 
-def _interpreting() -> bool:
+def triton_interpreting() -> bool:
+    """Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``, read when they are defined)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 
 
 def _binder(kernel, device_type: str):
@@ -131,7 +134,7 @@ def _binder(kernel, device_type: str):
         from triton.runtime.jit import JITFunction, create_function_from_signature
 
         jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
-        if device_type == "cuda" and not _interpreting():
+        if device_type == "cuda" and not triton_interpreting():
             from triton.runtime import driver
 
             target = driver.active.get_current_target()

@@ -54,7 +54,7 @@ import operator
 from collections import Counter
 from typing import Iterable, Optional, Sequence
 
-from spec_plugins.budget.menu import Shape, shape_depth, shape_label
+from spec_plugins.budget.menu import Shape, shape_label
 from spec_plugins.tree_drafting import TreeShape
 
 
@@ -105,7 +105,7 @@ class AcceptanceStats:
         groups each one contains."""
         n = len(keys)
         members = [[s for s in self.shapes if self._group[s] == g] for g in range(n)]
-        self._gD = [max(shape_depth(s) for s in m) for m in members]
+        self._gD = [max(s.max_depth for s in m) for m in members]
         self._topk = [m[0].topk for m in members]
         self._att = [[0.0] * D for D in self._gD]
         self._acc = [[0.0] * D for D in self._gD]
@@ -159,7 +159,7 @@ class AcceptanceStats:
         self._rates = self._snap = None
         if not hist:
             return
-        self._add(self._att[g], self._acc[g], hist, {}, shape_depth(shape), self.decay)
+        self._add(self._att[g], self._acc[g], hist, {}, shape.max_depth, self.decay)
         self._requests[g] = self._requests[g] * self.decay + sum(hist.values())
         if chain is not None:
             definite, censored = chain
@@ -175,7 +175,7 @@ class AcceptanceStats:
         if shape is None:
             return hist
         self._gi(shape)
-        D = shape_depth(shape)
+        D = shape.max_depth
         if hasattr(lengths, "tolist"):
             lengths = lengths.tolist()
         for L, n in Counter(lengths).items():
@@ -296,7 +296,7 @@ class AcceptanceStats:
         """Estimated conditional acceptance rate of depths 1..D (prior included)."""
         if self._rates is None:
             self._refresh()
-        return self._rates[self._gi(shape)][: shape_depth(shape)]
+        return self._rates[self._gi(shape)][: shape.max_depth]
 
     def snapshot(self) -> tuple[list[float], list[float]]:
         """(tau, evidence) of every shape in ``self.shapes`` order; cached until the next record."""
@@ -305,7 +305,7 @@ class AcceptanceStats:
                 self._refresh()
             taus = []
             for s in self.shapes:
-                g, D = self._group[s], shape_depth(s)
+                g, D = self._group[s], s.max_depth
                 excess = _excess(self._rates[g][:D])
                 taus.append(1.0 + excess * self._chain_drift(g, D))
             self._snap = (taus, [self._att[self._group[s]][0] for s in self.shapes])

@@ -32,11 +32,6 @@ def verify_tokens(shape: Shape) -> int:
     return 1 if shape is None else shape.num_draft_tokens
 
 
-def shape_depth(shape: TreeShape) -> int:
-    """Deepest tree node = most draft tokens one request can accept."""
-    return shape.max_depth
-
-
 def _make_shape(triple: Sequence, where: str) -> TreeShape:
     if len(triple) != 3:
         raise MenuError(f"{where}: {list(triple)!r} is not a (num_steps, topk, num_draft_tokens) triple")

@@ -71,7 +71,7 @@ from typing import Iterable, Optional, Sequence
 
 from spec_plugins.budget.acceptance import AcceptanceStats
 from spec_plugins.budget.costs import CostTable, check_key, check_seconds
-from spec_plugins.budget.menu import Shape, parse_menu, shape_depth, shape_label, verify_tokens
+from spec_plugins.budget.menu import Shape, parse_menu, shape_label, verify_tokens
 
 
 def expected_rates(menu: Sequence[Shape], costs: CostTable, acceptance: AcceptanceStats,
@@ -142,7 +142,7 @@ class BudgetPolicy:
         self.explore_until = float(explore_until)
         self.cost_bonus = float(cost_bonus)
         self._index = {s: i for i, s in enumerate(self.menu)}
-        self._entries = [(s, verify_tokens(s), 0 if s is None else shape_depth(s),
+        self._entries = [(s, verify_tokens(s), 0 if s is None else s.max_depth,
                           None if s is None else self.acceptance.shapes.index(s)) for s in self.menu]
         self._lift_depth = self._optimism_depths()
         self._t = 0
@@ -157,7 +157,7 @@ class BudgetPolicy:
         acceptance stats. Chains share their counts, so their optimism is the
         same: that of the shortest chain's depth (else the deepest chain wins
         every exploration on depth alone)."""
-        shortest_chain = min((shape_depth(s) for s in self.menu if s is not None and s.topk == 1), default=0)
+        shortest_chain = min((s.max_depth for s in self.menu if s is not None and s.topk == 1), default=0)
         return {j: (min(D, shortest_chain) if s.topk == 1 else D) for s, T, D, j in self._entries if s is not None}
 
     @property
