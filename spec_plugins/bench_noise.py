@@ -74,37 +74,33 @@ def busy_warnings(load_average: float | None = None, cpus: set[int] | None = Non
 
 
 def other_vllm_processes(proc: Path = Path("/proc")) -> list[tuple[int, set[int]]]:
-    """(pid, allowed CPUs) of vLLM processes that are not this one or its children."""
-    ours = {os.getpid(), *_descendants(os.getpid(), proc)}
-    found = []
+    """(pid, allowed CPUs) of vLLM processes that are not this one or its
+    descendants (our own engine cores), from one pass over ``proc``."""
+    parent, cmdline = {}, {}
     for entry in proc.iterdir():
-        if not entry.name.isdigit() or int(entry.name) in ours:
+        if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if "vllm" not in cmdline.lower():
-                continue
-            found.append((int(entry.name), set(os.sched_getaffinity(int(entry.name)))))
-        except (OSError, ProcessLookupError):
+            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
             continue  # gone, or not ours to read
-    return found
-
-
-def _descendants(pid: int, proc: Path) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
+    ours = {os.getpid()}
+    for pid in sorted(parent):  # a descendant's chain of parents reaches this process
+        chain, at = [], pid
+        while at in parent and at not in ours and at not in chain and at > 1:
+            chain.append(at)
+            at = parent[at]
+        if at in ours:
+            ours.update(chain)
+    found = []
+    for pid, line in cmdline.items():
+        if pid in ours or "vllm" not in line.lower():
+            continue
+        try:
+            found.append((pid, set(os.sched_getaffinity(pid))))
+        except OSError:  # gone since
+            continue
     return found
 
 

@@ -72,6 +72,8 @@ def _on(value, variant) -> bool:
     return bool(value)
 
 
+# why three model overrides that default to multi-layer EAGLE do not apply
+SINGLE_LAYER_DRAFT = "EAGLE_TREE drafts single-layer (it refuses --enable-multi-layer-eagle)"
 SITES = (
     # --- the algorithm itself
     Site("speculative/spec_info.py", "SpeculativeAlgorithm.is_eagle", (
@@ -141,13 +143,13 @@ SITES = (
         Feature("IQuest Q1 targets", SGLANG_REFUSES, "ValueError unless EAGLE or NEXTN"),)),
     Site("arg_groups/model_overrides/gigachat35.py", "_gigachat35_overrides", (
         Feature("multi-layer EAGLE by default for GigaChat 3.5", ABSENT,
-                "EAGLE_TREE drafts single-layer (it refuses --enable-multi-layer-eagle)"),)),
+                SINGLE_LAYER_DRAFT),)),
     Site("arg_groups/model_overrides/mimo_v2.py", "_mimo_v2_overrides", (
         Feature("multi-layer EAGLE by default for MiMo V2", ABSENT,
-                "EAGLE_TREE drafts single-layer (it refuses --enable-multi-layer-eagle)"),)),
+                SINGLE_LAYER_DRAFT),)),
     Site("arg_groups/overrides.py", "_step3p_overrides", (
         Feature("multi-layer EAGLE by default for Step3p5", ABSENT,
-                "EAGLE_TREE drafts single-layer (it refuses --enable-multi-layer-eagle)"),)),
+                SINGLE_LAYER_DRAFT),)),
     Site("arg_groups/model_overrides/nemotron_h.py", "_nemotron_h_overrides", (
         Feature("Nemotron-H draft attention backend default", ABSENT,
                 "the draft runs on the target's backend (ours: triton / intel_amx) unless "

@@ -288,7 +288,7 @@ def settings_with_spec_tokens(raw, num_speculative_tokens) -> TreeSettings:
     if settings.menu is not None:
         raise TreeConfigError(f"num_speculative_tokens={given} with spec_tree budget='auto': the budget picks the "
                               "tree per step from its menu; leave num_speculative_tokens out")
-    if isinstance(raw, dict) and raw.get("num_steps") is not None:
+    if raw.get("num_steps") is not None:  # (parse_tree_settings refused a raw that is not a dict)
         if given == settings.shape.num_steps:
             return settings
         raise TreeConfigError(
@@ -342,20 +342,13 @@ def prepare_gpu_engine_args(engine_args) -> None:
     # The tree mixin subclasses vLLM's V1 GPU runner; the V2 runner (default on
     # CUDA in 0.33) has different seams. Environment, so spawned workers see it.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    backend = getattr(engine_args, "attention_backend", None)
-    if backend not in (None, "CUSTOM") and getattr(backend, "name", None) != "CUSTOM":
-        raise TreeConfigError(f"attention_backend={backend!r}: spec_tree verifies through its own backend "
-                              "(registered as CUSTOM); leave attention_backend unset")
-    engine_args.attention_backend = "CUSTOM"
+    engine_args.attention_backend = tree_backend(getattr(engine_args, "attention_backend", None),
+                                                 "attention_backend")
     # vLLM builds the head's config apart (LLMBaseProposer._create_draft_vllm_config) with the
     # backend reset to speculative_config.attention_backend: unset, the selector would give the
     # head FlashAttention, which neither computes the head's tree rows nor reads BranchAttention.
     spec = dict(engine_args.speculative_config or {})
-    draft_backend = spec.get("attention_backend")
-    if draft_backend not in (None, "CUSTOM") and getattr(draft_backend, "name", None) != "CUSTOM":
-        raise TreeConfigError(f"speculative_config attention_backend={draft_backend!r}: spec_tree drafts through "
-                              "its own backend (registered as CUSTOM); leave it unset")
-    spec["attention_backend"] = "CUSTOM"
+    spec["attention_backend"] = tree_backend(spec.get("attention_backend"), "speculative_config attention_backend")
     engine_args.speculative_config = spec
     # A full CUDA graph would replay attention without the tree rows; piecewise
     # graphs leave attention (a splitting op) eager.
@@ -371,6 +364,15 @@ def prepare_gpu_engine_args(engine_args) -> None:
         raise TreeConfigError(f"cudagraph_mode={mode.name}: full CUDA graphs would replay attention without the "
                               "tree rows; use PIECEWISE or NONE with spec_tree")
     compilation.cudagraph_mode = mode
+
+
+def tree_backend(value, option: str) -> str:
+    """"CUSTOM" (where ``install_gpu_backend`` registers the tree backend) for an
+    unset or CUSTOM backend option; any other backend is refused, naming ``option``."""
+    if value not in (None, "CUSTOM") and getattr(value, "name", None) != "CUSTOM":
+        raise TreeConfigError(f"{option}={value!r}: spec_tree verifies and drafts through its own backend "
+                              f"(registered as CUSTOM); leave {option} unset")
+    return "CUSTOM"
 
 
 def parse_cudagraph_mode(value):
