@@ -33,12 +33,23 @@ Sections (the JSON key of each in brackets):
    8 KV heads x 128, bf16), torch / triton / cuda side by side, and SGLang's
    own Triton build + verify where available; [headline]: our mask build +
    verify + KV move per step at batch 256, T 8, context 32k against SGLang's.
+5b. [graphs] issue #37: the tree step's own ops (a draft level after the
+   head, the selection, the greedy walk + last node per walk implementation)
+   captured in a CUDA graph, replayed on new inputs, compared exactly with
+   eager; reduced mode: torch.compile(fullgraph=True) of the same cases.
+   Only this section: --skip correctness,sglang,sanitizer,bench,attention,sglang_graphs.
 6. [tree_attention] issue #17: split-KV vs single-pass tree attention
    against the torch reference (mixed contexts, every compact mode, three
    dtypes), a device-to-device copy's bandwidth, the sweep batch {1,4,8,64}
    x T {1,8,16,64} x context {1k,4k,32k} (time, K/V bandwidth, ratio to
    T=1, both kernels), other mask modes, a split-count scan, and the issue's
-   targets. Only this section: --skip correctness,sglang,sanitizer,bench.
+   targets. Only this section: --skip correctness,sglang,sanitizer,bench,graphs,sglang_graphs.
+7. [sglang_graphs] issue #38: TARGET_VERIFY as ``spec_tree_triton`` lets
+   SGLang's decode graph runner capture it (static block table, lengths and
+   mask buffers; the plan captured in a CUDA graph), replayed after the
+   lengths change, against the eager step and the reference, per mask mode
+   (ANCESTOR_BITMASK, PARENT_POINTER, QLEN_ONLY). Only this section:
+   --skip correctness,sglang,sanitizer,bench,graphs,attention.
 
 Reduced mode (--reduced, or no GPU): CPU tensors under TRITON_INTERPRET=1,
 tiny sizes, triton against torch only (plus SGLang's kernels when given), a
@@ -68,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench_out"), help="output folder ($OUT)")
     parser.add_argument("--budget", type=float, default=None,
                         help=f"seconds for the whole run (default {FULL_BUDGET_S:.0f}; {REDUCED_BUDGET_S:.0f} reduced)")  # fmt: skip
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: correctness,sglang,sanitizer,bench,attention")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: correctness,sglang,sanitizer,bench,graphs,attention,sglang_graphs")
     parser.add_argument("--sanitizer-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impls", default="cuda,triton", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

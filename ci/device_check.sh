@@ -4,7 +4,8 @@
 #   bash ci/device_check.sh              # GPU machine: correctness, sanitizer, timings (< 8 min)
 #   bash ci/device_check.sh --reduced    # anywhere: CPU + TRITON_INTERPRET=1, tiny sizes (~1 min)
 #   bash ci/device_check.sh --budget 300 --skip sanitizer   # a shorter GPU run
-#   bash ci/device_check.sh --skip correctness,sglang,sanitizer,bench   # only tree attention (issue #17)
+#   bash ci/device_check.sh --skip correctness,sglang,sanitizer,bench,sglang_graphs   # only tree attention (issue #17)
+#   bash ci/device_check.sh --skip correctness,sglang,sanitizer,bench,attention   # only SGLang's verify graph (issue #38)
 #
 # The tree-attention section (issue #17) checks the split-KV and single-pass
 # kernels against the reference, measures a device-to-device copy, sweeps

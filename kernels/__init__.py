@@ -25,6 +25,9 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
                          TRITON_INTERPRET may be set after importing this package).
 * ``TreeAttentionPlan``  the same, planned once per step and run per layer
                          (``attention_plan.py``; what both engine adapters call).
+* ``branch_attention.BranchAttentionPlan``  a tree-drafting level's attention:
+                         paged committed KV read in place + branch scratch under
+                         the ancestor mask (vLLM's tree drafter).
 
 Each op has a torch reference (``reference``), a Triton implementation
 (``triton_ops``) and a CUDA one (``cuda_ops``), chosen by ``impl=``.

@@ -349,14 +349,17 @@ def tree_from_parents(
     return TreeBuild(mask, seq_lens[:, None] + depth, retrieve_index, first_child, next_sibling)
 
 
-def node_parents(selected_index: torch.Tensor, parent_list: torch.Tensor, topk: int) -> torch.Tensor:
+def node_parents(selected_index: torch.Tensor, parent_list: torch.Tensor, topk: int,
+                 validate: bool = True) -> torch.Tensor:
     """[B, T] int64 node-local parents (-1 root) of a closed selection.
 
     selected_index / parent_list as for ``build_tree``. Raises ValueError when
-    some node's parent candidate was not selected (an open tree).
+    some node's parent candidate was not selected (an open tree); the check
+    reads the device, so a caller whose selection is closed by construction
+    (``select_tree_nodes``) passes ``validate=False``.
     """
     parent, found = reference.node_parents(selected_index, parent_list, topk)
-    if not bool(found.all()):
+    if validate and not bool(found.all()):
         raise ValueError(f"selection is not ancestor-closed: {selected_index.tolist()}")
     return parent
 

@@ -16,9 +16,10 @@ prepares what every layer reads:
   the plan learns from the first ``run``).
 
 ``run`` is then per layer: shape checks against the plan (host only),
-gathers and batched matmuls (torch) or the kernel launches (triton). No host sync
-and nothing rebuilt; the Triton launches are fixed by shapes, so a run is
-CUDA-graph capturable.
+gathers and batched matmuls (torch) or the kernel launches (triton: one
+single-pass launch, or split + merge when the context is split, writing the
+caller's ``out`` rows either way). No host sync and nothing rebuilt; the
+Triton launches are fixed by shapes, so a run is CUDA-graph capturable.
 
 Shapes (B requests, T nodes incl. the root, Hq query / Hkv KV heads, D head dim)::
 
@@ -103,16 +104,18 @@ class TreeAttentionPlan:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None,
             out: torch.Tensor | None = None):
         """One layer: q [B, T, Hq, D], the layer's K/V views -> [B, T, Hq, D].
-        out: where the caller wants the result (the host kernel writes it
-        there when it is a contiguous float32 [B, T, Hq, D]); the returned
-        tensor is out only then."""
+        out: where the caller wants the result. Triton writes it there when
+        it is a [B, T, Hq, D] tensor of q's dtype (any strides: e.g. a view of
+        the engine's output rows), the host kernel when it is a contiguous
+        float32 one; the returned tensor is out only then (else the caller
+        copies)."""
         self._check_layer(q, k_cache, v_cache)
         if self.impl == "cpu" and cpu_attention.supports(q, k_cache, v_cache):
             return cpu_attention.run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]),
                                      out=out)
         if self.impl in ("torch", "cpu"):  # (a dtype the host kernel has no code for: the torch path)
             return _torch_run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]))
-        return self._triton_run(q, k_cache, v_cache, scale)
+        return self._triton_run(q, k_cache, v_cache, scale, out)
 
     # ------------------------------------------------------------- steps
 
@@ -124,10 +127,12 @@ class TreeAttentionPlan:
         if k_cache.shape[1] != self.block_size:
             raise ValueError(f"the cache's block size {k_cache.shape[1]} is not the plan's {self.block_size}")
 
-    def _triton_run(self, q, k_cache, v_cache, scale):
+    def _triton_run(self, q, k_cache, v_cache, scale, out):
         from .attention_triton import plan_tree_attention, run_planned_attention, split_workspace
 
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        # the single-pass kernel, or the split kernel's merge, writes the caller's rows: no copy launch after
+        if out is None or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if self.batch == 0:
             return out
         hq, dim, hkv = q.shape[2], q.shape[3], k_cache.shape[2]

@@ -64,10 +64,13 @@ except ImportError:  # pragma: no cover - exercised only without triton
 #   (the step's first tree row) and row stride (the engine's layout) vary per
 #   step and are unknown at startup. q is loaded once per program: the lost
 #   vectorization does not show;
+# * the output rows likewise: the kernels write the engine's output buffer
+#   (vLLM's, at the step's first tree row), not a tensor of their own;
 # * num_splits follows batch and context; it only enters index arithmetic,
 #   where its divisibility buys nothing (a class per value would double the
 #   split and merge variants).
 _QUERY_ROWS = dict(do_not_specialize=["stride_qb", "stride_qt"], do_not_specialize_on_alignment=["q_ptr"])
+_OUT_ROWS = dict(do_not_specialize=["stride_ob", "stride_ot"], do_not_specialize_on_alignment=["out_ptr"])
 _SPLITS = ["num_splits"]
 
 
@@ -80,6 +83,32 @@ CPU_INTERPRETER_SMS = 4  # what the plan assumes for the CPU interpreter
 
 
 # -------------------------------------------------------------------- kernels
+
+
+@_jit
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
+    """Fold one KV tile into the running state. q [BLOCK_M, BLOCK_D], k / v
+    [BLOCK_N, BLOCK_D] (cache dtype), allowed [BLOCK_M, BLOCK_N] or [1, BLOCK_N]
+    bool; m_i, l_i [BLOCK_M] fp32 running max / sum (base 2), acc [BLOCK_M,
+    BLOCK_D] fp32. Shared by the verify kernels (paged tiles) and the draft
+    kernel (paged context tiles and branch-scratch tiles)."""
+    if DOT_F32:  # fp32 inputs: no TF32, fp32 callers expect fp32 scores
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    # m_i starts finite (-1e30), so a row with nothing allowed yet gets
+    # exp2(-inf - m) = 0 rather than NaN from (-inf) - (-inf)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:  # rounding p to the cache dtype first, as the native path does
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
 
 
 @_jit
@@ -113,26 +142,10 @@ def _attend_tile(
     k = tl.load(
         k_head_ptr + (block * stride_kb + offset * stride_ks)[:, None] + dims[None, :] * stride_kd, mask=kv_ok, other=0.0
     )
-    if DOT_F32:  # fp32 inputs: no TF32, fp32 callers expect fp32 scores
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(allowed, s * qk_scale, float("-inf"))
-    # m_i starts finite (-1e30), so a row with nothing allowed yet gets
-    # exp2(-inf - m) = 0 rather than NaN from (-inf) - (-inf)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
         v_head_ptr + (block * stride_vb + offset * stride_vs)[:, None] + dims[None, :] * stride_vd, mask=kv_ok, other=0.0
     )
-    if DOT_F32:  # rounding p to the cache dtype first, as the native path does
-        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
+    return _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_F32)
 
 
 @_jit
@@ -197,7 +210,9 @@ def _attend_tree(
     return m_i, l_i, acc
 
 
-@_jit(**_QUERY_ROWS)
+@_jit(do_not_specialize=_QUERY_ROWS["do_not_specialize"] + _OUT_ROWS["do_not_specialize"],
+      do_not_specialize_on_alignment=_QUERY_ROWS["do_not_specialize_on_alignment"]
+      + _OUT_ROWS["do_not_specialize_on_alignment"])
 def _tree_attention_kernel(
     q_ptr,
     k_ptr,
@@ -387,7 +402,8 @@ def _tree_attention_split_kernel(
     tl.store(lse_part_ptr + slot, m_i + tl.log2(l_safe), mask=store_ok)
 
 
-@_jit(do_not_specialize=_SPLITS)
+@_jit(do_not_specialize=_SPLITS + _OUT_ROWS["do_not_specialize"],
+      do_not_specialize_on_alignment=_OUT_ROWS["do_not_specialize_on_alignment"])
 def _tree_attention_merge_kernel(
     o_part_ptr,
     lse_part_ptr,

@@ -266,6 +266,12 @@ def _walk_start(batch: int, max_depth: int, device: torch.device) -> tuple[torch
     return accept_index, cur, alive
 
 
+def _reads_are_free(t: torch.Tensor) -> bool:
+    """An early exit may read ``t``: it lives on the host (no device queue to
+    wait for) and no graph is being captured or compiled (a read would break it)."""
+    return t.is_cpu and not torch.compiler.is_compiling()
+
+
 def _first_accepted_child(
     first_child: torch.Tensor, alive: torch.Tensor, retrieve_next_sibling: torch.Tensor, accepts
 ) -> torch.Tensor:
@@ -281,7 +287,7 @@ def _first_accepted_child(
     child = first_child
     for k in range(retrieve_next_sibling.shape[1] - 1):  # a node has at most T - 1 children
         scanning = alive & (chosen < 0) & (child >= 0)
-        if not bool(scanning.any()):
+        if _reads_are_free(scanning) and not bool(scanning.any()):
             break
         safe = child.clamp(min=0)
         hit = scanning & accepts(safe, k, scanning)
@@ -453,8 +459,12 @@ def move_accepted_kv(
     depth = torch.arange(width, device=verify_slots.device)
     index = accept_index.to(torch.int64)
     moving = (depth <= accept_length[:, None].to(torch.int64)) & (index >= 0) & (index != depth)
-    src = verify_slots.gather(1, index.clamp(min=0))[moving]
-    dst = verify_slots.gather(1, depth.clamp(max=nodes - 1).expand_as(index))[moving]
+    # Entries that do not move copy the root's slot onto itself instead of being filtered out
+    # (a boolean filter would read the device): no moving entry writes there (depth 0 never
+    # moves), and every such write stores the value read before any write.
+    root = verify_slots[:, :1].expand_as(index)
+    src = torch.where(moving, verify_slots.gather(1, index.clamp(min=0)), root).flatten()
+    dst = torch.where(moving, verify_slots.gather(1, depth.clamp(max=nodes - 1).expand_as(index)), root).flatten()
     coords = {}  # block size -> (src block, src offset, dst block, dst offset): once, not per layer
     for cache in caches:
         block = cache.shape[1]

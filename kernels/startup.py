@@ -212,6 +212,43 @@ class _DummyAttention:
         plan.run(q, layer.k_cache, layer.v_cache)
 
 
+def draft_levels(shape: TreeShape) -> tuple[int, int]:
+    """(K, levels) of the draft steps that drafting ``shape`` runs with
+    ``BranchAttention``: K frontier nodes per request, levels 1..levels - 1
+    (a chain drafts only the T - 1 levels it verifies; as the vLLM drafter)."""
+    steps = shape.num_steps
+    if shape.topk == 1:
+        steps = max(1, min(steps, shape.num_draft_tokens - 1))
+    return shape.topk, steps
+
+
+class _DummyDraft:
+    """Draft-step attention inputs for ``layer`` as the vLLM drafter makes
+    them (``BranchAttention.from_paged``): a ``BranchAttentionPlan`` over
+    empty contexts, the branch scratch [R, E, Hkv, D] of the shape's E, the
+    query and output in the cache dtype; levels 1 and 2 (an empty and a
+    non-empty ancestor mask). Nothing of the real cache is written."""
+
+    def __init__(self, layer: AttentionLayer, config: ServingConfig):
+        self.layer, self.config = layer, config
+
+    def run(self, topk: int, steps: int, batch: int, bound: int) -> None:
+        from .branch_attention import BranchAttentionPlan
+
+        layer, device = self.layer, self.layer.k_cache.device
+        num_blocks, block_size, hkv, dim = layer.k_cache.shape
+        width = max(layer.block_table.shape[1], -(-bound // block_size))
+        table = torch.zeros(batch, width, dtype=layer.block_table.dtype, device=device)
+        kv_lens = torch.zeros(batch, dtype=self.config.context_dtype, device=device)
+        plan = BranchAttentionPlan.create(table, kv_lens, bound, block_size, impl="triton")
+        scratch = layer.k_cache.new_zeros(2, batch, (steps - 1) * topk, hkv, dim)
+        q = layer.k_cache.new_zeros(batch, topk, layer.num_q_heads, dim)
+        out = torch.empty_like(q)
+        for level in range(1, min(steps, 3)):
+            ancestors = torch.zeros(batch, topk, (level - 1) * topk, dtype=torch.bool, device=device)
+            plan.run(q, layer.k_cache, layer.v_cache, scratch[0], scratch[1], level * topk, ancestors, None, out)
+
+
 def _attention_signature(layer: AttentionLayer, config: ServingConfig) -> frozenset:
     """The variants of one small verify attention over ``layer``: layers with
     equal ones launch equal variants for every case (the cache views' dtype,
@@ -222,7 +259,8 @@ def _attention_signature(layer: AttentionLayer, config: ServingConfig) -> frozen
 
 
 def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | None = None,
-                     layers: Sequence[AttentionLayer] = (), kv_caches: Sequence[torch.Tensor] = ()) -> list[Launch]:
+                     layers: Sequence[AttentionLayer] = (), kv_caches: Sequence[torch.Tensor] = (),
+                     draft_layers: Sequence[AttentionLayer] = ()) -> list[Launch]:
     """One ``Launch`` per Triton variant serving ``config`` on ``device`` can
     make, each captured from the public entry point serving calls
     (``api.select_tree_nodes`` / ``verify_tree_greedy`` / ``verify_tree_sampling``
@@ -233,6 +271,9 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
     only ops that resolve to Triton count.
     layers: every attention layer whose tree rows serving computes.
     kv_caches: every [num_blocks, block_size, H, D] view the KV move reads.
+    draft_layers: every draft-head layer whose draft steps read the paged
+    cache through ``branch_attention.BranchAttentionPlan`` (vLLM's drafter):
+    each shape's K and levels, every split plan batch and context allow.
     """
     from . import api
 
@@ -282,6 +323,15 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
         for nodes in config.tree_sizes:
             for batch, bound in _attention_cases(nodes, layer, config, device):
                 add(lambda n=nodes, b=batch, c=bound: dummy.run(n, b, c))
+    for layer in draft_layers:
+        if api.resolve_impl("attention", layer.impl, layer.k_cache.device) != "triton":
+            continue
+        draft = _DummyDraft(layer, config)
+        for topk, steps in sorted({draft_levels(s) for s in config.shapes}):
+            if steps < 2:  # one level: the root's children come from the last committed position, no draft step
+                continue
+            for batch, bound in _attention_cases(topk, layer, config, device):
+                add(lambda k=topk, s=steps, b=batch, c=bound: draft.run(k, s, b, c))
     return list(found.values())
 
 
@@ -298,7 +348,8 @@ class WarmUp:
 
 
 def warm_up(config: ServingConfig, device, *, impls: dict[str, str] | None = None,
-            layers: Sequence[AttentionLayer] = (), kv_caches: Sequence[torch.Tensor] = ()) -> WarmUp:
+            layers: Sequence[AttentionLayer] = (), kv_caches: Sequence[torch.Tensor] = (),
+            draft_layers: Sequence[AttentionLayer] = ()) -> WarmUp:
     """Launch every Triton variant serving ``config`` can make once, now
     (``serving_launches``; same arguments): on a GPU each compiles here, at
     startup, instead of stalling a step under load. Call it after the KV cache
@@ -306,7 +357,8 @@ def warm_up(config: ServingConfig, device, *, impls: dict[str, str] | None = Non
     host CPU unless ``SPEC_TREE_KERNELS_IMPL=triton``) it launches nothing."""
     device = torch.device(device)
     t0 = time.perf_counter()
-    launches = serving_launches(config, device, impls=impls, layers=layers, kv_caches=kv_caches)
+    launches = serving_launches(config, device, impls=impls, layers=layers, kv_caches=kv_caches,
+                                draft_layers=draft_layers)
     for held in launches:
         held.run()
     if launches and device.type == "cuda":

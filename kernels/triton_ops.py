@@ -478,7 +478,8 @@ def verify_tree_sampling(
 
 @triton.jit
 def _move_kv_kernel(
-    cache_ptr,  # one layer's [num_blocks, block_size, H, D] view
+    cache_ptr,  # the group's first [num_blocks, block_size, H, D] view
+    cache_offsets_ptr,  # [C] int64: each view's start, in elements from cache_ptr
     verify_slots_ptr,  # [B, T] int64
     accept_index_ptr,  # [B, W]
     accept_length_ptr,  # [B]
@@ -495,6 +496,7 @@ def _move_kv_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     elems = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    layer_ptr = cache_ptr + tl.load(cache_offsets_ptr + tl.program_id(2))  # one launch moves every view
     elem_ok = elems < ROW
     elem_offset = (elems // HEAD_DIM) * stride_head + (elems % HEAD_DIM) * stride_dim
     length = tl.load(accept_length_ptr + b).to(tl.int64)
@@ -507,24 +509,66 @@ def _move_kv_kernel(
         src_addr = (src // BLOCK_SIZE) * stride_block + (src % BLOCK_SIZE) * stride_offset + elem_offset
         dst_addr = (dst // BLOCK_SIZE) * stride_block + (dst % BLOCK_SIZE) * stride_offset + elem_offset
         copy = tl.where(moving, elem_ok, False)  # not `elem_ok & moving`: the interpreter makes that int32
-        row = tl.load(cache_ptr + src_addr, mask=copy)
-        tl.store(cache_ptr + dst_addr, row, mask=copy)
+        row = tl.load(layer_ptr + src_addr, mask=copy)
+        tl.store(layer_ptr + dst_addr, row, mask=copy)
+
+
+# caches (by identity) -> their launch groups; an engine passes the same views
+# every step, so the grouping and the device offsets table are built once
+_MOVE_GROUPS: dict = {}
+_MOVE_GROUPS_MAX = 8
+
+
+def _move_groups(caches: Sequence[torch.Tensor]):
+    """Views of equal shape (but the block count), strides and dtype, as
+    (first view, [C] int64 element offsets of each view from the first, on
+    its device); views whose distance is not a whole number of elements
+    start a group of their own."""
+    # Keyed by where the views point, not by the view objects: engines build new views of the
+    # same caches every step, and a miss uploads the offsets (a blocking copy on CUDA). The
+    # entry holds its views, so their storage (and address) cannot be reused by another cache.
+    key = tuple((c.data_ptr(), tuple(c.shape), c.stride(), c.dtype, c.device) for c in caches)
+    hit = _MOVE_GROUPS.get(key)
+    if hit is not None:
+        return hit[1]
+    groups: dict = {}
+    for cache in caches:
+        geometry = (tuple(cache.shape[1:]), cache.stride(), cache.dtype, cache.device)
+        for first, members in groups.setdefault(geometry, []):
+            distance = cache.data_ptr() - first.data_ptr()
+            if distance % cache.element_size() == 0:
+                members.append(distance // cache.element_size())
+                break
+        else:
+            groups[geometry].append((cache, [0]))
+    built = [
+        (first, torch.tensor(offsets, dtype=torch.int64, device=first.device))
+        for entries in groups.values()
+        for first, offsets in entries
+    ]
+    if len(_MOVE_GROUPS) >= _MOVE_GROUPS_MAX:
+        _MOVE_GROUPS.pop(next(iter(_MOVE_GROUPS)))
+    _MOVE_GROUPS[key] = (tuple(caches), built)  # holds the views: their ids stay theirs
+    return built
 
 
 def move_accepted_kv(caches: Sequence[torch.Tensor], verify_slots, accept_index, accept_length):
+    """One launch per group of like views (SGLang's and vLLM's K and V of
+    every layer: one launch in all), not one per view."""
     batch, nodes = verify_slots.shape
     width = accept_index.shape[1]
     slots = verify_slots.contiguous()
     index = accept_index.contiguous()
     length = accept_length.contiguous()
-    for cache in caches:
+    for cache, offsets in _move_groups(caches):
         _, block_size, heads, head_dim = cache.shape
         row = heads * head_dim
         block = min(1024, triton.next_power_of_2(row))
         launch(
             _move_kv_kernel,
-            (batch, triton.cdiv(row, block)),
+            (batch, triton.cdiv(row, block), offsets.shape[0]),
             cache,
+            offsets,
             slots,
             index,
             length,

@@ -322,6 +322,10 @@ def cmd_bench(args) -> int:
                 peer = vb.peer_of(cfg, configs)
                 rows.append(vb.summarize(results[(configs[0], level, temp)], results[(cfg, level, temp)], cfg,
                                          results[(peer, level, temp)] if peer else None))
+    if args.census:
+        census = vb.census_configs(configs, model, [t for _, t in prompts][:2], args.max_tokens, log_line)
+        for row in rows:
+            row["census"] = census.get(row["config"])
     warnings += bench_noise.noise_warnings(rows)
     summary = bench_noise.summary_lines(rows, warnings)
     meta = {"model": model, "prompts": [pid for pid, _ in prompts], "max_tokens": args.max_tokens,
@@ -522,6 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup-rounds", type=int, default=1,
                        help="interleaved: rounds per level run first and not counted (default 1: a level's first "
                             "requests meet new shapes and ran 20-25%% slower for every configuration)")
+    bench.add_argument("--census", action="store_true",
+                       help="after the timed runs, one untimed greedy run per configuration under the host-read "
+                            "census (spec_plugins/host_reads.py): host syncs (ours / all) and ops per step in the table")
     bench.add_argument("--sequential", action="store_true",
                        help="one engine at a time instead, each configuration once (or --repeats times): less "
                             "memory, but a drift of the machine's speed lands in the ratios unseen")

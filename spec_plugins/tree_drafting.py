@@ -74,25 +74,46 @@ def expand_pool(first_logits: torch.Tensor, first_hidden: torch.Tensor, draft_to
     surv_scores, surv_tokens = top_p, pool_tokens[0]
     surv_hidden = first_hidden[:, None].expand(R, K, H)
     surv_anc = torch.zeros(R, K, 0, dtype=torch.bool, device=device)
-    own = torch.eye(K, dtype=torch.bool, device=device).expand(R, K, K)
     for level in range(1, num_steps):
         logits, hidden = step(level, surv_tokens, surv_hidden, surv_anc)
-        row_anc = torch.cat([surv_anc, own], -1)  # each frontier node's new entry: its ancestors plus itself
-        child_p, child_i = logits.float().softmax(-1).topk(K, dim=-1)  # [R, K survivors, K children]
-        expand = (surv_scores[..., None] * child_p).flatten(1)  # [R, K*K], survivor-major
-        child_tokens = to_target(child_i).flatten(1)
+        expand, child_tokens, survivors = grow_level(logits, hidden, surv_scores, surv_anc, draft_to_target, level,
+                                                     keep=level < num_steps - 1)
         pool_scores.append(expand)
         pool_tokens.append(child_tokens)
-        if level < num_steps - 1:
-            best = torch.sort(expand, dim=-1, descending=True, stable=True).indices[:, :K]  # [R, K]
-            parents.append(best + K * K * (level - 1) + K)
-            rows = best // K
-            surv_scores, surv_tokens = expand.gather(1, best), child_tokens.gather(1, best)
-            surv_hidden = hidden.gather(1, rows[..., None].expand(R, K, H))
-            surv_anc = row_anc.gather(1, rows[..., None].expand(R, K, row_anc.shape[-1]))
+        if survivors is not None:
+            best_parents, surv_scores, surv_tokens, surv_hidden, surv_anc = survivors
+            parents.append(best_parents)
     parent_list = (torch.cat(parents, 1) if num_steps > 1
                    else torch.empty(R, 0, dtype=torch.int64, device=device))
     return torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), parent_list
+
+
+def grow_level(logits: torch.Tensor, hidden: torch.Tensor, surv_scores: torch.Tensor, surv_anc: torch.Tensor,
+               draft_to_target: torch.Tensor | None, level: int, keep: bool):
+    """One level of ``expand_pool`` after the head's forward (device ops with
+    static shapes, no host read: ``torch.compile(fullgraph=True)`` holds it,
+    tests/test_tree_drafting_graphs.py).
+
+    logits [R, K, V_draft] / hidden [R, K, H]: the head at the K survivors;
+    surv_scores [R, K] their path scores; surv_anc [R, K, (level-1)K] bool
+    their ancestors among the branch entries. Returns (expand [R, K*K] child
+    path scores, survivor-major; child_tokens [R, K*K] target ids; None when
+    ``keep`` is False (the last level), else (pool parent index of each new
+    survivor [R, K], and the K new survivors' scores, tokens, hidden, ancestors)).
+    """
+    R, K, H = hidden.shape
+    own = torch.eye(K, dtype=torch.bool, device=logits.device).expand(R, K, K)
+    row_anc = torch.cat([surv_anc, own], -1)  # each frontier node's new entry: its ancestors plus itself
+    child_p, child_i = logits.float().softmax(-1).topk(K, dim=-1)  # [R, K survivors, K children]
+    expand = (surv_scores[..., None] * child_p).flatten(1)  # [R, K*K], survivor-major
+    child_tokens = (child_i if draft_to_target is None else draft_to_target[child_i]).flatten(1)
+    if not keep:
+        return expand, child_tokens, None
+    best = torch.sort(expand, dim=-1, descending=True, stable=True).indices[:, :K]  # [R, K]
+    rows = best // K
+    return expand, child_tokens, (best + K * K * (level - 1) + K, expand.gather(1, best), child_tokens.gather(1, best),
+                                  hidden.gather(1, rows[..., None].expand(R, K, H)),
+                                  row_anc.gather(1, rows[..., None].expand(R, K, row_anc.shape[-1])))
 
 
 def expand_chain(first_logits: torch.Tensor, first_hidden: torch.Tensor, draft_to_target: torch.Tensor | None,
@@ -129,7 +150,7 @@ def select_trees(scores: torch.Tensor, pool_tokens: torch.Tensor, parent_list: t
         return chain_trees(pool_tokens, shape.num_draft_tokens)
     selected = stk.select_tree_nodes(scores, parent_list, shape.topk, shape.num_steps, shape.num_draft_tokens,
                                      validate=False, impl=impl)
-    parents = stk.node_parents(selected, parent_list, shape.topk)
+    parents = stk.node_parents(selected, parent_list, shape.topk, validate=False)  # closed by construction
     # pool index = K * (survivor group) + rank among its siblings (level 1: the rank itself)
     top1 = torch.cat([torch.ones_like(selected[:, :1], dtype=torch.bool), selected % shape.topk == 0], 1)
     return DraftTrees(tokens=pool_tokens.gather(1, selected), parents=parents, top1=top1)

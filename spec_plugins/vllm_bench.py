@@ -186,16 +186,22 @@ def run_interleaved(configs: list[SpecConfig], model: str, prompts: list[str], m
     return {key: merge_rounds(v) for key, v in runs.items()}
 
 
-@contextmanager
 def _multiprocess_engines():
-    """VLLM_ENABLE_V1_MULTIPROCESSING=1 while the engines live, each in its own
-    engine-core process. vLLM freezes its environment once an engine core
-    starts in this process (an earlier in-process engine), so that cache is
-    dropped; the old value comes back afterwards."""
+    """Each engine in its own engine-core process while inside (``_engine_processes``)."""
+    return _engine_processes("1")
+
+
+@contextmanager
+def _engine_processes(value: str):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=value while inside ("1": each engine in
+    its own engine-core process; "0": in this process). vLLM freezes its
+    environment once an engine core starts in this process (an earlier
+    in-process engine), so that cache is dropped; the old value comes back
+    afterwards."""
     import vllm.envs as envs
 
     old = os.environ.get(MP_ENV)
-    os.environ[MP_ENV] = "1"
+    os.environ[MP_ENV] = value
     envs.disable_envs_cache()
     try:
         yield
@@ -216,6 +222,41 @@ def _executor_in_engine_core():
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     return UniProcExecutor
+
+
+def census_configs(configs: list[SpecConfig], model: str, prompts: list[str], max_tokens: int, log) -> dict:
+    """{config name: per engine step with drafts (no-spec: every step after the
+    first) the mean host syncs of our code and of all code, and the non-view
+    ops on device tensors (about one kernel launch each on a GPU)}, from one
+    greedy run of ``prompts`` per configuration under
+    ``spec_plugins.host_reads``'s census. In-process engines whose buffers'
+    host and device halves are kept apart (the census tells them apart); the
+    census slows a step several times over, so these runs are not timed."""
+    import statistics
+
+    from vllm import LLM
+
+    from spec_plugins.host_reads import census_runner_steps, separate_cpu_runner_buffers
+
+    found = {}
+    with _engine_processes("0"):
+        for cfg in configs:
+            with separate_cpu_runner_buffers():
+                llm = LLM(**engine_kwargs(model, max_model_len=RUN_ENGINE_SIZE["max_model_len"],
+                                          kv_cache_memory_bytes=RUN_ENGINE_SIZE["kv_cache_memory_bytes"]),
+                          **spec_kwargs(cfg))
+            runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            with census_runner_steps(runner) as steps:
+                llm.generate(prompts, sampling_params(0.0, max_tokens, len(prompts)), use_tqdm=False)
+            counted = [s for s in steps if s.tree_step] if cfg.head else steps[1:]
+            found[cfg.name] = {"steps": len(counted),
+                               **{key: round(statistics.mean(fn(s.counts) for s in counted), 1) if counted else None
+                                  for key, fn in (("syncs_ours", lambda c: c.syncs("ours")),
+                                                  ("syncs_all", lambda c: c.syncs()), ("ops", lambda c: c.ops))}}
+            log(f"{cfg.name}: census {found[cfg.name]}")
+            del llm, runner
+            gc.collect()
+    return found
 
 
 def start_engines(configs: list[SpecConfig], model: str, warmup_prompt: str, log, **engine_extra) -> list:
@@ -439,8 +480,8 @@ def table(rows: list[dict]) -> str:
     distance from 1 (``bench_noise.unresolved``)."""
     lines = ["| config | conc | temp | tok/s (rounds' spread) | vs no-spec | vs vLLM chain | tau | tau per depth | "
              "step ms: target / head / ours (ours %) | t_V/t_T | c | decode vs no-spec | predicted | "
-             "measured / predicted | identical |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|:---:|"]
+             "measured / predicted | identical | host syncs ours / all, ops per step |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|:---:|---|"]
     for r in rows:
         cm, st = r.get("cost_model", {}), r.get("step_ms")
         depth = " ".join(f"{x:.2f}" for x in r.get("tau_per_depth", []))
@@ -453,8 +494,16 @@ def table(rows: list[dict]) -> str:
                      f"{bench_noise.marked(r.get('vs_vllm_chain'), r.get('all_vs_vllm_chain'))} | "
                      f"{r['tau'] if r.get('tau') else '-'} | {depth or '-'} | "
                      f"{steps} | {cm.get('t_V_over_t_T', '-')} | {cm.get('c', '-')} | {r.get('decode_speedup', '-')} | "
-                     f"{cm.get('predicted_speedup', '-')} | {cm.get('measured_over_predicted', '-')} | {same} |")
+                     f"{cm.get('predicted_speedup', '-')} | {cm.get('measured_over_predicted', '-')} | {same} | "
+                     f"{census_cell(r.get('census'))} |")
     return "\n".join(lines)
+
+
+def census_cell(census: dict | None) -> str:
+    """"1 / 4, 1912" (``census_configs``), or "-" without a census (``--census``)."""
+    if not census or census.get("ops") is None:
+        return "-"
+    return f"{census['syncs_ours']:g} / {census['syncs_all']:g}, {census['ops']:.0f}"
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -208,3 +208,13 @@ def test_bench_defaults_are_the_interleaved_newcomer_set():
     assert cli.bench_rounds(cli.build_parser().parse_args(["bench", "--sequential"])) is None
     assert cli.bench_rounds(cli.build_parser().parse_args(["bench", "--concurrency", "1", "4", "8"])) == [3, 5, 5]
     assert "6,8,32" in cli.FULL_SHAPES and "eagle1" in cli.FULL_HEADS
+
+
+def test_the_table_shows_the_census_when_there_is_one():
+    """Issue #37: with --census each row ends with host syncs (ours / all) and ops per step."""
+    row = {"config": "eagle3 tree(5,4,8)", "concurrency": 1, "tokens_per_s": 10.0, "identical": True, "tau": 2.0,
+           "census": {"steps": 24, "syncs_ours": 1.0, "syncs_all": 4.0, "ops": 1911.6}}
+    lines = vb.table([row, {**row, "census": None}]).splitlines()
+    assert lines[0].endswith("| host syncs ours / all, ops per step |") and lines[1].count("|") == lines[0].count("|")
+    assert lines[2].endswith("| 1 / 4, 1912 |") and lines[3].endswith("| - |")
+    assert cli.build_parser().parse_args(["bench", "--census"]).census is True

@@ -48,6 +48,8 @@ def test_reduced_device_check(tmp_path):
     assert all(r["ok"] for r in attention["modes"]["rows"])
     tune = attention["tune"]["points"][0]
     assert {"auto", "single", "split2"} <= set(tune["times_us"]) and "best" in tune, tune
+    graphs = report["sglang_graphs"]  # issue #38: TARGET_VERIFY capture / replay stand-in, every mask mode
+    assert graphs["failed"] == 0 and graphs["passed"] == 3 and all(r["replays"] == 2 for r in graphs["rows"]), graphs
     if spec_tree:
         assert report["sglang_crosscheck"]["failed"] == 0 and report["sglang_crosscheck"]["passed"] > 0
         assert "sglang" in report["headline"]["eager_us"]

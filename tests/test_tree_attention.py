@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import spec_tree_kernels.attention_triton as attention_triton
 from spec_tree_kernels.modes import TreeMaskMode
+from spec_tree_kernels.triton_launch import recording
 from spec_tree_kernels.attention import (
     _triton_usable,
     plan_tree_attention,
@@ -364,9 +365,10 @@ def test_plan_from_shapes(monkeypatch):
 
 
 def test_kernels_compile_for_sm90():
-    """The split, merge and single-pass launches compile to sm_90 cubins
-    (Triton's bundled ptxas) without spilling the bf16 paths: what the
-    interpreter cannot show before a GPU run."""
+    """The split, merge and single-pass launches, and the draft-step kernel
+    (issue #37), compile to sm_90 cubins (Triton's bundled ptxas) without
+    spilling the bf16 / fp16 paths: what the interpreter cannot show before a
+    GPU run."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -375,7 +377,8 @@ def test_kernels_compile_for_sm90():
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and rows, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
-    assert {r["kernel"] for r in rows} == {"_tree_attention_kernel", "_tree_attention_split_kernel", "_tree_attention_merge_kernel"}
+    assert {r["kernel"] for r in rows} == {"_tree_attention_kernel", "_tree_attention_split_kernel",
+                                           "_tree_attention_merge_kernel", "_branch_attention_kernel"}
     for r in rows:
         if r["dtype"] != "float32" and "stack" in r:
             assert r["stack"] == 0 and r["local"] == 0, f"register spills: {r}"
@@ -558,6 +561,35 @@ def test_plan_split_kernel_reuses_its_workspace_across_layers(monkeypatch):
         assert_close(plan.run(q, k_cache, v_cache, p.scale), p.dense(), torch.float32)
     (launch, workspace), = plan._launches.values()
     assert launch.kernel == "split" and launch.num_splits > 1 and workspace is not None
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch,kernel", [(1, "split"), (3, "single")])
+def test_triton_plan_writes_the_callers_rows(monkeypatch, batch, kernel, dtype):
+    """Issue #37 (6): the Triton run writes the ``out`` it is given (vLLM's
+    output rows, a view at the step's first tree row, row stride of the
+    engine's buffer): the single-pass kernel alone, or split + merge, and no
+    copy afterwards; rows around it stay untouched. Before, the run wrote a
+    tensor of its own and the adapter copied it (a third launch per layer)."""
+    monkeypatch.setattr(attention_triton, "SPLIT_MIN_TOKENS", 16)
+    p = finite_problem("binary", 5, [70, 3, 40][:batch], seed=6, hq=4, hkv=2, dtype=dtype)
+    q, k_cache, v_cache, *_ = p.args()
+    plan = plan_of(p, "triton", max_context_len=70)
+    nodes, hq, dim = q.shape[1:]
+    engine_out = torch.full((batch * nodes + 3, hq * dim + 4), float("nan"), dtype=dtype, device=DEVICE)
+    dst = engine_out[2: 2 + batch * nodes, : hq * dim].view(batch, nodes, hq, dim)
+    with recording() as launched:
+        res = plan.run(q, k_cache, v_cache, p.scale, out=dst)
+    assert res is dst
+    (launch, _), = plan._launches.values()
+    assert launch.kernel == kernel
+    want = (["_tree_attention_kernel"] if kernel == "single"
+            else ["_tree_attention_split_kernel", "_tree_attention_merge_kernel"])
+    assert [v.kernel for v in launched] == want
+    assert_close(dst, p.dense(), dtype)
+    assert engine_out[:2].isnan().all() and engine_out[2 + batch * nodes:].isnan().all()
+    assert engine_out[:, hq * dim:].isnan().all()
 
 
 def test_torch_plan_reads_only_the_blocks_the_longest_request_uses():

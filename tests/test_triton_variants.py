@@ -140,7 +140,8 @@ def test_nothing_is_warmed_where_nothing_runs_triton(monkeypatch):
     monkeypatch.delenv(IMPL_ENV, raising=False)
     layer = tiny_layer()
     cpu_layer = AttentionLayer(layer.num_q_heads, layer.k_cache.cpu(), layer.v_cache.cpu(), layer.block_table.cpu())
-    assert serving_launches(tiny_config(), "cpu", layers=[cpu_layer], kv_caches=[cpu_layer.k_cache]) == []
+    assert serving_launches(tiny_config(), "cpu", layers=[cpu_layer], kv_caches=[cpu_layer.k_cache],
+                            draft_layers=[cpu_layer]) == []
 
 
 def test_smollm2_on_an_h200_split_plans(monkeypatch):
@@ -227,6 +228,64 @@ def test_serving_launches_only_warmed_variants():
     kernels = {v.kernel for v in served}
     assert {"_tree_attention_kernel", "_tree_attention_split_kernel", "_tree_attention_merge_kernel",
             "_verify_kernel", "_verify_sampling_kernel", "_move_kv_kernel", "_select_kernel"} <= kernels
+
+
+def serve_draft_steps_like_the_drafter(config: ServingConfig, layer: AttentionLayer, steps: int, seed: int = 0):
+    """Draft-step launches as vLLM's tree drafter makes them
+    (``BranchAttention``): per drafting step a random batch, shape and
+    contexts (the step's longest as the host bound), the engine's int32 block
+    rows, the scratch of the shape's E; per level the queries a view of the
+    head's qkv rows and the output a view of its output buffer (any first
+    row), the ancestors as ``expand_pool`` / ``expand_chain`` hand them
+    (gathered rows, or a slice of a chain's all-ones tensor)."""
+    from spec_tree_kernels.branch_attention import BranchAttentionPlan
+    from spec_tree_kernels.startup import draft_levels
+
+    rng = random.Random(seed)
+    hq, dim = layer.num_q_heads, layer.k_cache.shape[3]
+    num_blocks, block_size, hkv, _ = layer.k_cache.shape
+    forced = [(1, config.max_context_len - 8), (config.max_batch, 40)]  # interpreter: split, single pass
+    for step in range(steps):
+        batch, longest = forced[step] if step < len(forced) else (rng.randint(1, config.max_batch),
+                                                                  rng.randint(0, config.max_context_len - 8))
+        shape = config.shapes[step % len(config.shapes)]
+        K, levels = draft_levels(shape)
+        ctx = torch.tensor([rng.randint(0, longest) for _ in range(batch - 1)] + [longest], device=DEVICE)
+        table = torch.randint(0, num_blocks, (batch, layer.block_table.shape[1]), dtype=torch.int32, device=DEVICE)
+        plan = BranchAttentionPlan.create(table, ctx, longest, block_size, impl="triton")
+        scratch = layer.k_cache.new_zeros(2, batch, (levels - 1) * K, hkv, dim)
+        chain_anc = torch.ones(batch, 1, max(levels - 1, 0), dtype=torch.bool, device=DEVICE)
+        for level in range(1, levels):
+            first = rng.randint(0, 3)
+            qkv = torch.randn(first + batch * K, (hq + 2 * hkv) * dim, device=DEVICE)
+            q = qkv[first:, : hq * dim].view(batch, K, hq, dim)
+            out = torch.empty(first + batch * K + 1, hq * dim, device=DEVICE)[first: first + batch * K].view(
+                batch, K, hq, dim)
+            if K == 1:
+                ancestors = chain_anc[..., : level - 1]
+            else:
+                rows = torch.randint(0, K, (batch, K, 1), device=DEVICE).expand(batch, K, (level - 1) * K)
+                ancestors = (torch.rand(batch, K, (level - 1) * K, device=DEVICE) < 0.5).gather(1, rows)
+            plan.run(q, layer.k_cache, layer.v_cache, scratch[0], scratch[1], level * K, ancestors, None, out)
+
+
+def test_draft_steps_launch_only_warmed_variants():
+    """Issue #37 (5): the draft-step kernel's variants (every menu shape's K,
+    a chain's, single pass and split + merge) are warmed with the head's
+    layer among ``draft_layers``; without it they would not be."""
+    config = tiny_config(shapes=MENU, max_batch=4)
+    layer = tiny_layer()
+    with recording() as warmed:
+        warm_up(config, DEVICE, impls=dict.fromkeys(TRITON_OPS, "torch"), draft_layers=[layer])
+    with recording() as served:
+        serve_draft_steps_like_the_drafter(config, layer, steps=4)
+    missing = set(served) - set(warmed)
+    assert not missing, "served but not warmed: " + ", ".join(sorted(map(str, missing)))
+    assert {v.kernel for v in served} == {"_branch_attention_kernel", "_tree_attention_merge_kernel"}
+    assert {dict(v.constexprs)["SPLIT"] for v in served if v.kernel == "_branch_attention_kernel"} == {True, False}
+    assert {dict(v.constexprs)["K"] for v in warmed if v.kernel == "_branch_attention_kernel"} == {1, 4}
+    without = serving_launches(config, DEVICE, impls=dict.fromkeys(TRITON_OPS, "torch"), layers=[layer])
+    assert not {launch.variant for launch in without} & {v for v in served if v.kernel == "_branch_attention_kernel"}
 
 
 def test_without_tritons_binder_the_key_is_finer_never_coarser(monkeypatch):

@@ -2,7 +2,7 @@
 
 The interpreter (TRITON_INTERPRET=1) runs kernels as numpy and accepts code
 the real compiler rejects; this compiles the exact launches
-``tree_attention_triton`` makes (same arguments, so the same specialization:
+``tree_attention_triton`` and a draft level (``branch_attention``) make (same arguments, so the same specialization:
 pointer alignment, unit strides, constexprs) down to a cubin with Triton's
 bundled ptxas, and reports registers and spills (cuobjdump).
 
@@ -28,6 +28,12 @@ LAUNCHES = [
     ("split", "bfloat16", "PARENT_POINTER", 64, 32, 8, 128, 16, dict(num_splits=4)),  # a big tree
     ("split", "float32", "QLEN_ONLY", 24, 4, 2, 32, 1, dict(num_splits=3)),  # IEEE fp32 dots (small: slow to compile)
     ("single", "float16", "ANCESTOR_BITMASK", 160, 32, 8, 128, 16, {}),  # three mask words, node blocks
+]
+# draft steps (branch_attention): (kernel, dtype, K, hq, hkv, D, block_size, levels, splits)
+DRAFT_LAUNCHES = [
+    ("split", "bfloat16", 8, 32, 8, 128, 16, 4, 16),  # an 8B head, K 8, the 4th level
+    ("single", "float16", 10, 32, 8, 128, 16, 2, 1),  # 40 query rows per KV head: node blocks
+    ("split", "float32", 1, 4, 2, 32, 16, 3, 3),  # a chain, IEEE fp32 dots
 ]
 
 
@@ -90,18 +96,51 @@ def main(argv=None) -> int:
         with capturing() as launches:  # held, not run
             at.tree_attention_triton(q, k_cache, k_cache.clone(), table, ctx, mask, mode, kernel=kernel, block_n=64,
                                      **extra)
-        for jitfn, grid, a, k in ((h.kernel, h.grid, h.args, h.kwargs) for h in launches):
-            t0 = time.time()
-            row = dict(kernel=jitfn.__name__, dtype=dtype_name, mode=mode, T=nodes, grid=list(grid), arch=args.arch)
-            try:
-                compiled = compile_launch(jitfn, grid, a, k, target)
-                row.update(ok=True, **resource_usage(compiled.asm["cubin"]))
-            except Exception as exc:
-                failed += 1
-                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-1500:]}")
-            row["seconds"] = round(time.time() - t0, 1)
-            print(json.dumps(row), flush=True)
+        failed += compile_held(launches, target, dict(dtype=dtype_name, mode=mode, T=nodes, arch=args.arch))
+    for kernel, dtype_name, topk, hq, hkv, dim, block_size, level, splits in DRAFT_LAUNCHES:
+        with capturing() as launches:
+            hold_draft_level(kernel, getattr(torch, dtype_name), topk, hq, hkv, dim, block_size, level, splits)
+        failed += compile_held(launches, target, dict(dtype=dtype_name, K=topk, level=level, arch=args.arch))
     return 1 if failed else 0
+
+
+def hold_draft_level(kernel, dtype, topk, hq, hkv, dim, block_size, level, splits) -> None:
+    """The launches of one draft level (``branch_attention.launch_branch_attention``)
+    with the plan a GPU would make (block_n 64), held by the caller's ``capturing``."""
+    import torch
+
+    from spec_tree_kernels import attention_triton as at
+    from spec_tree_kernels.branch_attention import launch_branch_attention
+
+    batch, blocks = 2, 64
+    plan = at.plan_tree_attention(batch, topk, hq, hkv, dim, block_size, blocks, "cpu", kernel=kernel,
+                                  num_splits=splits, block_n=64)
+    q = torch.zeros(batch, topk, hq, dim, dtype=dtype)
+    k_cache = torch.zeros(blocks, block_size, hkv, dim, dtype=dtype)
+    scratch = torch.zeros(2, batch, 4 * topk, hkv, dim, dtype=dtype)
+    anc = torch.zeros(batch, topk, (level - 1) * topk, dtype=torch.uint8)
+    dummy = torch.empty(1, dtype=torch.float32)
+    workspace = at.split_workspace(plan, q) or (dummy, dummy)
+    launch_branch_attention(plan, workspace, q, k_cache, k_cache.clone(), scratch[0], scratch[1], level * topk, anc,
+                            torch.zeros(batch, blocks // batch, dtype=torch.int64),
+                            torch.zeros(batch, dtype=torch.int64), dim ** -0.5, torch.empty_like(q))
+
+
+def compile_held(launches, target, labels: dict) -> int:
+    """Compile each held launch, print its JSON row; returns the failures."""
+    failed = 0
+    for jitfn, grid, a, k in ((h.kernel, h.grid, h.args, h.kwargs) for h in launches):
+        t0 = time.time()
+        row = dict(kernel=jitfn.__name__, **labels, grid=list(grid))
+        try:
+            compiled = compile_launch(jitfn, grid, a, k, target)
+            row.update(ok=True, **resource_usage(compiled.asm["cubin"]))
+        except Exception as exc:
+            failed += 1
+            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-1500:]}")
+        row["seconds"] = round(time.time() - t0, 1)
+        print(json.dumps(row), flush=True)
+    return failed
 
 
 if __name__ == "__main__":

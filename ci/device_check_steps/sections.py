@@ -12,9 +12,11 @@ from .attention import run_tree_attention
 from .bench import run_bench
 from .correctness import run_correctness
 from .environment import finish_cuda_build, load_sglang_kernels, record_environment, start_cuda_build, write_summary
+from .graphs import run_graphs
 from .plumbing import Budget, CheckRun, Report, guarded
 from .sanitizer import run_sanitizer
 from .sglang_crosscheck import run_sglang_crosscheck
+from .sglang_graphs import run_sglang_graphs
 
 
 def run_sections(out: Path, reduced: bool, budget_s: float, skip: set[str]) -> int:
@@ -37,10 +39,18 @@ def run_sections(out: Path, reduced: bool, budget_s: float, skip: set[str]) -> i
     if "bench" not in skip:
         report.log("bench")
         guarded(report, "bench", run_bench, run)
+    if "graphs" not in skip:
+        report.log("graphs (issue #37)")
+        graphs_failed = guarded(report, "graphs", run_graphs, run)
+        failed += 1 if graphs_failed is None else graphs_failed
     if "attention" not in skip:
         report.log("tree attention (issue #17)")
         attention_failed = guarded(report, "attention", run_tree_attention, run)
         failed += 1 if attention_failed is None else attention_failed
+    if "sglang_graphs" not in skip:
+        report.log("SGLang TARGET_VERIFY CUDA graph (issue #38)")
+        graphs_failed = guarded(report, "sglang_graphs", run_sglang_graphs, run)
+        failed += 1 if graphs_failed is None else graphs_failed
     write_summary(report, failed)
     return 1 if failed else 0
 

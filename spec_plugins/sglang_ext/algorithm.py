@@ -16,6 +16,7 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 from . import name_keyed_features
 from .config import (
     ALGORITHM_NAME,
+    GRAPHLESS_BACKENDS,
     OUR_BACKENDS,
     detect_variant,
     requested_mask_mode,
@@ -318,19 +319,26 @@ def check_our_backend_flags(view, backend: str) -> None:
 
 
 def declare_our_backend_settings(server_args, view, backend: str) -> None:
-    """CUDA graphs off (no graph-captured tree verify); a draft attention
-    backend of SGLang's (ours serves target verify only)."""
+    """A draft attention backend of SGLang's (ours serves target verify only);
+    with ``spec_tree`` CUDA graphs off (its torch verify path sizes each step's
+    work by the host-side longest context, and torch_native has no graph
+    state). ``spec_tree_triton`` keeps SGLang's graphs: the draft's decode and
+    extend graphs run on SGLang's Triton backend, and TARGET_VERIFY is captured
+    through our backend's graph entry points (``attention.TreeVerifyMixin``)."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
     from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
     source = "spec_plugins.eagle_tree"
-    logger.warning("%s: CUDA graphs are disabled with attention backend %r", ALGORITHM_NAME, backend)
-    for phase in (Phase.DECODE, Phase.PREFILL):
-        declare_resolution(
-            server_args,
-            source,
-            cuda_graph_config=with_phase(resolving_view(server_args).cuda_graph_config, phase, backend=Backend.DISABLED),
-        )
+    if backend in GRAPHLESS_BACKENDS:
+        logger.warning("%s: CUDA graphs are disabled with attention backend %r", ALGORITHM_NAME, backend)
+        for phase in (Phase.DECODE, Phase.PREFILL):
+            declare_resolution(
+                server_args,
+                source,
+                cuda_graph_config=with_phase(
+                    resolving_view(server_args).cuda_graph_config, phase, backend=Backend.DISABLED
+                ),
+            )
     if view.speculative_draft_attention_backend is None:
         draft_backend = "intel_amx" if str(view.device).startswith("cpu") else "triton"
         declare_resolution(server_args, source, speculative_draft_attention_backend=draft_backend)

@@ -15,9 +15,23 @@ The backend exposes SGLang's verify-mask interface (``verify_mask``: a
 layout this backend reads into its buffer. Modes read: ANCESTOR_BITMASK
 (default), PARENT_POINTER, QLEN_ONLY (``SPEC_PLUGINS_TREE_MASK_MODE``).
 
-Not supported (clear errors): CUDA graphs for target verify (the resolution
-hook turns them off), MLA, sliding-window / logit-capped / cross-attention
-layers, attention sinks, a KV cache dtype other than the model dtype.
+CUDA graphs (``spec_tree_triton``): SGLang's decode graph runner captures
+TARGET_VERIFY through the entry points below. Everything that needs the host
+runs outside the graph (``init_forward_metadata_out_graph``): the requests'
+``req_to_token`` rows narrowed to the batch's longest context (from the
+host-side ``seq_lens_cpu``: no sync) are copied into a static block table,
+the lengths into static context lengths, and the tree mask is the backend's
+own ``verify_mask`` buffer (SGLang's builder writes it in place). The plan,
+made once per captured batch size over those static buffers, launches only
+Triton kernels whose grid follows shapes, so the graph holds the attention of
+every layer; its split count is sized for the longest possible context (the
+graph serves every length). ``spec_tree``'s torch path sizes its work by the
+step's longest context on the host, so it is not captured (the resolution hook
+keeps graphs off for it).
+
+Not supported (clear errors): MLA, sliding-window / logit-capped /
+cross-attention layers, attention sinks, a KV cache dtype other than the model
+dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +49,17 @@ from spec_tree_kernels.attention_plan import TreeAttentionPlan
 from spec_tree_kernels.modes import MODES, TREE_ATTENTION_MODES, empty_tree_mask, mask_dtype
 
 from .config import ALGORITHM_NAME, BACKEND_TORCH, requested_mask_mode, resolve_mask_mode
+
+
+class TreeGraphState(NamedTuple):
+    """Static buffers the captured TARGET_VERIFY graphs read (one set for every
+    captured batch size; a graph of bs requests reads the first bs rows)."""
+
+    max_bs: int
+    block_table: torch.Tensor  # [max_bs, req_to_token width], req_to_token's dtype
+    context_lens: torch.Tensor  # [max_bs] int64
+    root_mask: torch.Tensor  # [max_bs, 1, 1] int64 ones: a one-node tree sees itself
+    metas: dict  # (batch size, nodes) -> TreeVerifyMeta made at capture
 
 
 class TreeVerifyMeta(NamedTuple):
@@ -145,10 +170,13 @@ class TreeVerifyMixin:
             check_kv_cache_dtype(model_runner, self.backend_name)
             check_target_layers(getattr(model_runner, "model", None), self.backend_name)
             check_unpadded_verify_batches(self.backend_name)
+        self.tree_is_draft = bool(getattr(model_runner, "is_draft_worker", False))
         self.tree_mask_mode = resolve_mask_mode(requested_mask_mode(), self.backend_name)
         self.tree_max_bs = model_runner.req_to_token_pool.size
         self.tree_num_draft_tokens = _spec_num_draft_tokens()
         self._tree_meta: Optional[TreeVerifyMeta] = None
+        self._tree_graph: Optional[TreeGraphState] = None
+        self._tree_impls: dict = {}  # (tree_attention_impl, device) -> resolved impl, resolved once
         self._tree_verify_mask = None
         if self.tree_num_draft_tokens and not getattr(model_runner, "is_draft_worker", False):
             self._tree_verify_mask = VerifyMask(
@@ -176,32 +204,136 @@ class TreeVerifyMixin:
         self._tree_meta = None
         super().init_forward_metadata(forward_batch)
 
+    # --- CUDA graphs (SGLang's decode graph runner captures TARGET_VERIFY)
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        if self.tree_is_draft:
+            # a draft runner never runs target verify: its graphs are the parent's
+            return super().init_cuda_graph_state(max_bs, max_num_tokens)
+        # A target runner captures TARGET_VERIFY only (DecodeCudaGraphRunner's mode for any
+        # speculative runner), all of it ours: the parent's decode state (Triton's kv-indices
+        # of max_num_tokens x max_context_len and its FULL_MASK buffer) would never be read.
+        r2t = self.req_to_token_pool.req_to_token
+        self._tree_graph = TreeGraphState(
+            max_bs=max_bs,
+            block_table=torch.zeros(max_bs, r2t.shape[1], dtype=r2t.dtype, device=r2t.device),
+            context_lens=torch.zeros(max_bs, dtype=torch.int64, device=r2t.device),
+            root_mask=torch.ones(max_bs, 1, 1, dtype=torch.int64, device=r2t.device),
+            metas={},
+        )
+
+    def glue_target_verify_metadata(self) -> str:
+        # SGLang's metadata glue graph would capture the prep below; it takes host inputs per step
+        return f"{self.backend_name}: the verify prep narrows its block-table copy by the host-side lengths"
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        # padded requests of a replayed batch attend one prefix position (row
+        # 0 of req_to_token) besides their tree: finite, and never read back
+        return 1
+
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         if forward_batch.forward_mode.is_target_verify():
-            raise RuntimeError(
-                f"attention backend {self.backend_name!r} does not capture target verify in CUDA graphs; "
-                "run with --disable-cuda-graph"
-            )
+            self._tree_meta = self.graph_verify_metadata(forward_batch, in_capture)
+            return None
         return super().init_forward_metadata_out_graph(forward_batch, in_capture)
 
+    def init_forward_metadata_in_graph(self, forward_batch):
+        if forward_batch.forward_mode.is_target_verify():
+            return None  # all of verify's prep is the out-of-graph copies: the graph holds the attention only
+        return super().init_forward_metadata_in_graph(forward_batch)
+
+    def graph_verify_metadata(self, forward_batch, in_capture: bool) -> TreeVerifyMeta:
+        """Capture: plan over the static buffers (kept per batch size). Replay
+        and capture: refill those buffers for this batch, outside the graph."""
+        impl = self._resolve_impl(forward_batch.seq_lens.device)
+        if impl != "triton":
+            raise RuntimeError(
+                f"attention backend {self.backend_name!r} captures target verify only with the Triton tree "
+                f"attention (resolved implementation: {impl!r}); use --attention-backend spec_tree_triton on a "
+                "GPU, or run with --disable-cuda-graph"
+            )
+        graph = self._tree_graph
+        if graph is None:
+            raise RuntimeError(
+                f"attention backend {self.backend_name!r}: init_cuda_graph_state was not called before the "
+                "TARGET_VERIFY graph's metadata"
+            )
+        bs = len(forward_batch.req_pool_indices)
+        nodes = int(forward_batch.spec_info.draft_token_num)
+        if bs > graph.max_bs:
+            raise RuntimeError(f"{self.backend_name!r}: a graph batch of {bs} requests exceeds max_bs={graph.max_bs}")
+        longest = None if in_capture else self._host_longest(forward_batch)
+        used = self._used_width(longest, nodes)
+        # a plain copy of the columns the batch reads (the kernels read nothing past context + T)
+        graph.block_table[:bs, :used].copy_(self._block_table_rows(forward_batch.req_pool_indices, used))
+        graph.context_lens[:bs].copy_(forward_batch.seq_lens)
+        if nodes > 1:
+            self._fill_graph_mask(forward_batch.spec_info.custom_mask, bs, nodes, forward_batch, in_capture)
+        meta = graph.metas.get((bs, nodes))
+        if in_capture or meta is None:
+            if nodes == 1:
+                mask, mode = graph.root_mask[:bs], TreeMaskMode.ANCESTOR_BITMASK
+            else:
+                mask, mode = self._mask_view(self._tree_verify_mask.buffer, bs, nodes)
+            # max_context_len None: the split plan covers the block table's reach, as
+            # the graph is replayed for any context length
+            plan = TreeAttentionPlan.create(
+                graph.block_table[:bs], graph.context_lens[:bs], mask, mode, nodes, 1, None, impl=impl
+            )
+            meta = graph.metas[(bs, nodes)] = TreeVerifyMeta(plan, bs, nodes)
+        return meta
+
+    def _fill_graph_mask(self, custom_mask, bs, nodes, forward_batch, in_capture) -> None:
+        """The graph reads the backend's own buffer; SGLang's builder writes the
+        batch's masks there. Anything else (a mask built elsewhere) is copied in;
+        at capture SGLang hands its FULL_MASK placeholder, which is not read."""
+        buffer = self._tree_verify_mask.buffer if self._tree_verify_mask is not None else None
+        if buffer is None:
+            raise RuntimeError(f"attention backend {self.backend_name!r} has no verify-mask buffer to capture")
+        if in_capture or custom_mask is None or custom_mask.data_ptr() == buffer.data_ptr():
+            return
+        real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+        source, _ = self._mask_view(custom_mask, real, nodes)
+        target, _ = self._mask_view(buffer, real, nodes)
+        target.copy_(source)
+
     def _resolve_impl(self, device: torch.device) -> str:
-        return resolve_impl("attention", self.tree_attention_impl, device)
+        key = (self.tree_attention_impl, device.type, device.index)
+        impl = self._tree_impls.get(key)
+        if impl is None:  # resolved once: the environment is read at the first step, not per op
+            impl = self._tree_impls[key] = resolve_impl("attention", self.tree_attention_impl, device)
+        return impl
+
+    @staticmethod
+    def _host_longest(forward_batch) -> Optional[int]:
+        """The longest committed context, from SGLang's host copy of the lengths
+        (no device read); None when the batch carries none."""
+        cpu_lens = getattr(forward_batch, "seq_lens_cpu", None)
+        if cpu_lens is None or cpu_lens.numel() == 0:
+            return None
+        return max(cpu_lens.tolist())  # a host list: no torch op per step
+
+    def _used_width(self, longest: Optional[int], nodes: int) -> int:
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        return width if longest is None else max(1, min(width, longest + nodes))
+
+    def _block_table_rows(self, req_pool_indices, used: int) -> torch.Tensor:
+        """The requests' req_to_token rows, their first ``used`` columns only."""
+        return self.req_to_token_pool.req_to_token[:, :used].index_select(0, req_pool_indices)
 
     def tree_verify_metadata(self, forward_batch) -> TreeVerifyMeta:
         """Plan the step's verify attention: the token pool is a paged cache of
-        block size 1 whose block table rows are the requests' req_to_token rows."""
+        block size 1 whose block table rows are the requests' req_to_token rows,
+        narrowed to the batch's longest context plus the tree."""
         spec = forward_batch.spec_info
         bs = len(forward_batch.req_pool_indices)
         nodes = int(spec.draft_token_num)
         impl = self._resolve_impl(forward_batch.seq_lens.device)
-        rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
-        longest = None
-        if impl == "torch":
-            # The torch path reads every position up to the bound: bound it (the CPU copy
-            # SGLang keeps, so no sync; a device read only when it has none, on the CPU path).
-            cpu_lens = getattr(forward_batch, "seq_lens_cpu", None)
-            lens = cpu_lens if cpu_lens is not None else forward_batch.seq_lens
-            longest = int(lens.max()) if bs else 0
+        longest = self._host_longest(forward_batch)
+        if longest is None and impl != "triton" and bs:
+            # The torch path reads every position up to the bound, so it needs one: a device
+            # read, only where SGLang keeps no host copy (the CPU path: no sync to speak of).
+            longest = int(forward_batch.seq_lens.max())
+        rows = self._block_table_rows(forward_batch.req_pool_indices, self._used_width(longest, nodes))
         mask, mode = self._mask_view(spec.custom_mask, bs, nodes)
         plan = TreeAttentionPlan.create(rows, forward_batch.seq_lens, mask, mode, nodes, 1, longest, impl=impl)
         return TreeVerifyMeta(plan, bs, nodes)

@@ -40,6 +40,10 @@ VARIANTS = SGLANG_ALGORITHMS  # ("EAGLE", "EAGLE3")
 BACKEND_TORCH = "spec_tree"
 BACKEND_TRITON = "spec_tree_triton"
 OUR_BACKENDS = (BACKEND_TORCH, BACKEND_TRITON)
+# Ours with CUDA graphs off: spec_tree's torch verify is not capturable (it
+# sizes each step by the host-side longest context). spec_tree_triton keeps
+# SGLang's draft graphs and captures TARGET_VERIFY with our Triton plan.
+GRAPHLESS_BACKENDS = (BACKEND_TORCH,)
 # What our verify attention (spec_tree_kernels.tree_attention) reads: the
 # kernel module's table of mask modes.
 OUR_BACKEND_MODES = TREE_ATTENTION_MODES
@@ -141,6 +145,7 @@ __all__ = [
     "TESTED_SGLANG",
     "BACKEND_TORCH",
     "BACKEND_TRITON",
+    "GRAPHLESS_BACKENDS",
     "MASK_MODE_ENV",
     "MAX_TREE_NODES",
     "OUR_BACKENDS",

@@ -40,7 +40,7 @@ import functools
 import inspect
 import logging
 import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from spec_tree_kernels import TreeMaskMode
@@ -74,13 +74,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam("sglang.srt.arg_groups.speculative_hook:_handle_eagle_family", "srt/arg_groups/speculative_hook.py",
          "SGLang's EAGLE defaults and validation, applied to EAGLE_TREE"),
     Seam("sglang.srt.arg_groups.overrides:declare_resolution", "srt/arg_groups/overrides.py",
-         "resolution writes (draft attention backend, CUDA graphs off)"),
+         "resolution writes (draft attention backend; CUDA graphs off with spec_tree)"),
     Seam("sglang.srt.arg_groups.overrides:resolving_view", "srt/arg_groups/overrides.py", "read the args"),
     Seam("sglang.srt.arg_groups.overrides:resolved_view", "srt/arg_groups/overrides.py", "read resolved args"),
     Seam("sglang.srt.arg_groups.model_override_base:attention_backends_of", "srt/arg_groups/model_override_base.py",
          "(prefill, decode) attention backends"),
     Seam("sglang.srt.model_executor.cuda_graph_config:with_phase", "srt/model_executor/cuda_graph_config.py",
-         "disable CUDA graphs for our backends"),
+         "disable CUDA graphs for spec_tree"),
     Seam("sglang.srt.utils.hf_transformers_utils:get_config", "srt/utils/hf_transformers_utils.py",
          "read the draft head's config (EAGLE vs EAGLE3)"),
     Seam("sglang.srt.runtime_context:get_spec", "srt/runtime_context.py", "speculative config in workers"),
@@ -140,6 +140,19 @@ SEAMS: tuple[Seam, ...] = (
          "parent of spec_tree_triton"),
     Seam("sglang.srt.layers.attention.base_attn_backend:AttentionBackend.verify_mask",
          "srt/layers/attention/base_attn_backend.py", "overridden: our VerifyMask"),
+    # TARGET_VERIFY CUDA graphs (spec_tree_triton): what DecodeCudaGraphRunner calls on the backend
+    Seam("sglang.srt.layers.attention.base_attn_backend:AttentionBackend.init_cuda_graph_state",
+         "srt/layers/attention/base_attn_backend.py", "overridden: our static verify buffers"),
+    Seam("sglang.srt.layers.attention.base_attn_backend:AttentionBackend.get_cuda_graph_seq_len_fill_value",
+         "srt/layers/attention/base_attn_backend.py", "overridden: padded requests' length"),
+    Seam("sglang.srt.layers.attention.base_attn_backend:AttentionBackend.init_forward_metadata_out_graph",
+         "srt/layers/attention/base_attn_backend.py", "overridden: verify prep outside the graph (capture, replay)"),
+    Seam("sglang.srt.layers.attention.base_attn_backend:AttentionBackend.init_forward_metadata_in_graph",
+         "srt/layers/attention/base_attn_backend.py", "overridden: nothing recorded for verify"),
+    Seam("sglang.srt.layers.attention.base_attn_backend:AttentionBackend.glue_target_verify_metadata",
+         "srt/layers/attention/base_attn_backend.py", "overridden: our prep stays out of SGLang's glue graph"),
+    Seam("sglang.srt.model_executor.runner.decode_cuda_graph_runner:build_replay_fb_view",
+         "srt/model_executor/runner/decode_cuda_graph_runner.py", "the replay ForwardBatch view our prep reads"),
     Seam("sglang.srt.layers.attention.verify_mask:VerifyMask", "srt/layers/attention/verify_mask.py",
          "the verify-mask interface the worker reads"),
     Seam("sglang.srt.mem_cache.memory_pool:KVWriteLoc", "srt/mem_cache/memory_pool.py", "verify KV write"),
@@ -191,12 +204,34 @@ def check_seams() -> None:
 # --------------------------------------------------------------- activation
 
 
+# The spec_tree_kernels ops the hooks run, by the name ``resolve_impl`` knows them.
+HOOKED_OPS = ("select", "build", "verify", "verify_sampling", "move_kv")
+
+
 @dataclass(frozen=True)
 class TreeRuntime:
-    """What the hooks need; set by the EAGLE_TREE worker of this process."""
+    """What the hooks need; set by the EAGLE_TREE worker of this process.
+
+    ``device`` (the worker's): each op's implementation is resolved once, here
+    (``SPEC_TREE_KERNELS_IMPL`` read once), rather than by every op of every
+    step. Without it the ops resolve ``impl`` per call (tests, tools)."""
 
     mask_mode: TreeMaskMode
     impl: str = "auto"  # spec_tree_kernels implementation ("auto": fastest for the device)
+    device: Optional[str] = None
+    impls: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.device is not None and not self.impls:
+            import torch
+
+            from spec_tree_kernels import resolve_impl
+
+            device = torch.device(self.device)
+            self.impls.update({op: resolve_impl(op, self.impl, device) for op in HOOKED_OPS})
+
+    def impl_for(self, op: str) -> str:
+        return self.impls.get(op, self.impl)
 
 
 _ACTIVE: Optional[TreeRuntime] = None
@@ -230,24 +265,25 @@ def activated(runtime: TreeRuntime):
 # -------------------------------------------------------------- the hooks
 
 
-def _drop_in_hook(ours):
+def _drop_in_hook(ours, op: str):
     """An AROUND hook running ``ours`` (SGLang's arguments plus the active
-    runtime's ``impl``) while EAGLE_TREE is active, else SGLang's original."""
+    runtime's implementation of ``op``) while EAGLE_TREE is active, else
+    SGLang's original."""
 
     def hook(original, *args, **kwargs):
         rt = _ACTIVE
         if rt is None:
             return original(*args, **kwargs)
-        return ours(*args, **kwargs, impl=rt.impl)
+        return ours(*args, **kwargs, impl=rt.impl_for(op))
 
     hook.__name__ = f"hook_{ours.__name__}"
     return hook
 
 
-_organize_hook = _drop_in_hook(layout.organize_draft_results_closed)
-_build_hook = _drop_in_hook(layout.build_tree_sglang_layout)
-_verify_hook = _drop_in_hook(layout.verify_tree_greedy_sglang_layout)
-_sample_hook = _drop_in_hook(layout.verify_tree_sampling_sglang_layout)
+_organize_hook = _drop_in_hook(layout.organize_draft_results_closed, "select")
+_build_hook = _drop_in_hook(layout.build_tree_sglang_layout, "build")
+_verify_hook = _drop_in_hook(layout.verify_tree_greedy_sglang_layout, "verify")
+_sample_hook = _drop_in_hook(layout.verify_tree_sampling_sglang_layout, "verify_sampling")
 
 
 def _sample_context_hook(original, *args, **kwargs):
@@ -270,7 +306,8 @@ def _uses_greedy_hook(original, *args, **kwargs):
     kernel (CPU, XPU; HIP without rejection sampling); ours runs everywhere."""
     if _ACTIVE is None:
         return original(*args, **kwargs)
-    arguments = _signature(original).bind(*args, **kwargs).arguments
+    # SGLang 0.5.23's parameters are keyword-only: read them; bind only a positional call
+    arguments = _signature(original).bind(*args, **kwargs).arguments if args else kwargs
     if arguments.get("use_rejection_sampling"):  # SGLang's chain sampler, not ours (refused for EAGLE_TREE)
         return original(*args, **kwargs)
     return bool(arguments["is_all_greedy"])
@@ -357,7 +394,8 @@ def _move_hook(original, batch, accept_index, num_correct_drafts, token_to_kv_po
     if rt is None:
         return original(batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator)
     return layout.move_accepted_kv_sglang_layout(
-        batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator, impl=rt.impl, fallback=original
+        batch, accept_index, num_correct_drafts, token_to_kv_pool_allocator, impl=rt.impl_for("move_kv"),
+        fallback=original,
     )
 
 

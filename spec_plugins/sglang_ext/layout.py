@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -117,13 +118,17 @@ def build_tree_sglang_layout(
 def write_accept_index(result, retrieve_index, accept_index, accept_token_num):
     """Our walk's node-local ``accept_index`` (root = 0, -1 padded) as SGLang's
     flat ``retrieve_index`` values, and the accepted draft count, written in
-    place. Returns (node [bs, D+1] int64, valid [bs, D+1] bool)."""
+    place. Returns (node [bs, D+1] int64 with the padding clamped to the root,
+    flat [bs, D+1] int64 slots of those nodes, valid [bs, D+1] bool).
+
+    Per step on a GPU every op is a launch and host time: a few, each on [bs, D+1]."""
     node = result.accept_index.long()
     valid = node >= 0
-    flat = retrieve_index.long().gather(1, node.clamp(min=0))
-    accept_index.copy_(torch.where(valid, flat, torch.full_like(flat, -1)).to(accept_index.dtype))
-    accept_token_num.copy_(result.accept_length.to(accept_token_num.dtype))
-    return node, valid
+    node = node.clamp_(min=0)  # the padding reads the root's slot: written with the root's value below
+    flat = retrieve_index.long().gather(1, node)  # (.long() of int64: no op)
+    accept_index.copy_(flat.masked_fill(~valid, -1))
+    accept_token_num.copy_(result.accept_length)
+    return node, flat, valid
 
 
 def verify_tree_greedy_sglang_layout(
@@ -142,21 +147,15 @@ def verify_tree_greedy_sglang_layout(
     """Drop-in for ``spec_tree.verify_tree_greedy_func`` (fills the three
     mutable outputs in SGLang's layout and returns them)."""
     bs, nodes = candidates.shape
+    target = target_predict.view(bs, nodes).long()
     result = stk.verify_tree_greedy(
-        candidates.long(),
-        retrieve_next_token.long(),
-        retrieve_next_sibling.long(),
-        target_predict.long().view(bs, nodes),
-        accept_index.shape[1] - 1,
-        impl=impl,
-    )
-    node, valid = write_accept_index(result, retrieve_index, accept_index, accept_token_num)
-    on_path = torch.zeros(bs, nodes + 1, dtype=torch.bool, device=candidates.device)
-    on_path.scatter_(1, torch.where(valid, node, nodes), True)
-    slots = retrieve_index.long().flatten()
-    current = predicts.gather(0, slots).view(bs, nodes)
-    updated = torch.where(on_path[:, :nodes], target_predict.view(bs, nodes).to(predicts.dtype), current)
-    predicts.scatter_(0, slots, updated.flatten())
+        candidates.long(), retrieve_next_token.long(), retrieve_next_sibling.long(), target,
+        accept_index.shape[1] - 1, impl=impl,
+    )  # fmt: skip
+    node, flat, _ = write_accept_index(result, retrieve_index, accept_index, accept_token_num)
+    # predicts[slot of each accepted node] = the target's argmax there; the padding
+    # entries (clamped to the root) rewrite the root's slot with the root's own value
+    predicts.scatter_(0, flat.flatten(), target.gather(1, node).flatten().to(predicts.dtype))
     return predicts, accept_index, accept_token_num
 
 
@@ -267,8 +266,13 @@ def _per_row(value, rows: int, device, dtype) -> torch.Tensor:
     return torch.full((rows,), value, device=device, dtype=dtype)
 
 
-def _renormalize(kept: torch.Tensor) -> torch.Tensor:
-    return kept / kept.sum(dim=-1, keepdim=True)
+def _keep_renormalized(probs: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
+    """probs where probs >= pivot (else 0), renormalised per row. One [rows, V]
+    result (renormalised in place) and its bool mask: at bs 48, T 8 and a 128k
+    vocabulary each fp32 [rows, V] is about 200 MB, and a zeros_like plus an
+    out-of-place division would add two more."""
+    kept = torch.where(probs >= pivot, probs, 0.0)
+    return kept.div_(kept.sum(dim=-1, keepdim=True))
 
 
 def top_k_renorm_prob_torch(probs: torch.Tensor, top_k) -> torch.Tensor:
@@ -282,7 +286,7 @@ def top_k_renorm_prob_torch(probs: torch.Tensor, top_k) -> torch.Tensor:
     top_ks = _per_row(top_k, rows, probs.device, torch.int64)
     ordered = torch.sort(probs, dim=-1, descending=True).values
     pivot = ordered.gather(1, (top_ks - 1).clamp(min=0, max=vocab - 1)[:, None])
-    return _renormalize(torch.where(probs >= pivot, probs, torch.zeros_like(probs)))
+    return _keep_renormalized(probs, pivot)
 
 
 def top_p_renorm_prob_torch(probs: torch.Tensor, top_p) -> torch.Tensor:
@@ -298,7 +302,7 @@ def top_p_renorm_prob_torch(probs: torch.Tensor, top_p) -> torch.Tensor:
     cdf = torch.cumsum(ordered, dim=-1)
     cutoff = torch.searchsorted(cdf, (1.0 - top_ps)[:, None].contiguous(), right=False).clamp_(max=vocab - 1)
     pivot = ordered.gather(1, cutoff)
-    return _renormalize(torch.where(probs >= pivot, probs, torch.zeros_like(probs)))
+    return _keep_renormalized(probs, pivot)
 
 
 def min_p_renorm_prob_torch(probs: torch.Tensor, min_p) -> torch.Tensor:
@@ -309,7 +313,7 @@ def min_p_renorm_prob_torch(probs: torch.Tensor, min_p) -> torch.Tensor:
         return probs
     min_ps = _per_row(min_p, rows, probs.device, probs.dtype)
     threshold = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
-    return _renormalize(torch.where(probs >= threshold, probs, torch.zeros_like(probs)))
+    return _keep_renormalized(probs, threshold)
 
 
 _warned_thresholds: set = set()
@@ -381,19 +385,38 @@ def verify_tree_sampling_sglang_layout(
         accept_index.shape[1] - 1,
         impl=impl,
     )
-    node, valid = write_accept_index(result, retrive_index, accept_index, accept_token_num)
+    node, flat, valid = write_accept_index(result, retrive_index, accept_index, accept_token_num)
     # predicts[slot of the node at depth d] = the token emitted after it; other slots kept
-    slots = retrive_index.long().flatten()
-    values = torch.cat([predicts.gather(0, slots).view(bs, nodes), predicts.new_zeros(bs, 1)], dim=1)
-    values.scatter_(1, torch.where(valid, node, nodes), result.accept_tokens.to(predicts.dtype))
-    predicts.scatter_(0, slots, values[:, :nodes].flatten())
+    # (the padding, clamped to the root, rewrites the root's slot with the root's value)
+    tokens = result.accept_tokens.to(predicts.dtype)
+    predicts.scatter_(0, flat.flatten(), torch.where(valid, tokens, tokens[:, :1]).flatten())
     return None
 
 
 _warned_pools: set = set()
 
 
+# pool -> (its k_buffer list, its v_buffer list, the views or None): the pool's
+# kind and its 2 x layers views are worked out once, not in every step
+_POOL_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def plain_kv_views(pool) -> Optional[list]:
+    """``plain_kv_views_of(pool)``, kept per pool while its buffer lists are
+    the same objects (a pool that reallocates its buffers gets new views)."""
+    k_list, v_list = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
+    try:
+        cached = _POOL_VIEWS.get(pool)
+    except TypeError:  # not weak-referenceable: no caching
+        return plain_kv_views_of(pool)
+    if cached is not None and cached[0] is k_list and cached[1] is v_list:
+        return cached[2]
+    views = plain_kv_views_of(pool)
+    _POOL_VIEWS[pool] = (k_list, v_list, views)
+    return views
+
+
+def plain_kv_views_of(pool) -> Optional[list]:
     """[slots, 1, H, D] views of every K and V buffer of a plain token-major
     pool (SGLang's MHATokenToKVPool, NHD layout, unquantized), or None for any
     other pool (SWA/hybrid/quantized/paged-major): those keep SGLang's own
@@ -447,8 +470,10 @@ def move_accepted_kv_sglang_layout(
         return None
     verify_slots = batch.out_cache_loc.long().view(bs, -1)
     nodes = verify_slots.shape[1]
-    base = torch.arange(bs, device=accept_index.device, dtype=torch.long)[:, None] * nodes
     index = accept_index.long()
-    node_local = torch.where(index >= 0, index - base, torch.full_like(index, -1))
+    # flat b * T + i -> node i (the -1 padding stays negative: the move reads only
+    # depths <= the accepted count, and a negative node moves nothing anyway)
+    base = torch.arange(0, bs * nodes, nodes, device=index.device)[:, None]
+    node_local = torch.where(index >= 0, index - base, -1)
     stk.move_accepted_kv(caches, verify_slots, node_local, num_correct_drafts, impl=impl)
     return None

@@ -86,7 +86,9 @@ class EagleTreeWorker(EAGLEWorkerV2):
         # the target worker has claimed the device by now (ModelRunner sets it)
         prepare_tree_kernels(target_worker.device)
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
-        engine_patches.activate(engine_patches.TreeRuntime(mask_mode=self.tree_mask_mode))
+        engine_patches.activate(
+            engine_patches.TreeRuntime(mask_mode=self.tree_mask_mode, device=str(target_worker.device))
+        )
         logger.info("%s worker: tree mask %s", ALGORITHM_NAME, self.tree_mask_mode.name)
 
     def init_attention_backends(self):

@@ -23,8 +23,10 @@ KV in a scratch tensor, ancestor mask).
 Tree rows go through ``spec_tree_kernels.attention_plan.TreeAttentionPlan``:
 planned by the first layer of a step (per tree size), run by every layer;
 the host C kernel on CPU (torch where it did not build), the Triton kernels
-on CUDA (``TreeRowsMixin.tree_impl``). Draft steps take the host kernel too
-(``cpu_attention.run_branch``).
+on CUDA (``TreeRowsMixin.tree_impl``). Draft steps read the committed head KV
+in place as well: the host kernel on CPU (``cpu_attention.run_branch``), a
+``BranchAttentionPlan`` elsewhere (Triton on CUDA, bounded torch chunks
+without Triton).
 
 KV views handed to the kernels are [num_blocks, block_size, Hkv, D]:
 CPU cache [num_blocks, Hkv, block_size, 2 * D] holds per block and head
@@ -42,8 +44,7 @@ import torch
 
 from vllm.v1.attention.backend import AttentionType
 
-from spec_tree_kernels.attention_plan import (TreeAttentionPlan, gather_blocks, scores_over_blocks,
-                                              values_over_blocks)
+from spec_tree_kernels.attention_plan import TreeAttentionPlan
 
 
 @dataclass
@@ -89,9 +90,12 @@ class BranchAttention:
     positions) and to the branch entries it descends from plus itself
     (``branch_k/branch_v`` [R, E, Hkv, D] scratch, E = (num_steps - 1) * K,
     filled K entries per level). ``ancestors`` [R, K, filled] bool is set by
-    the drafter before each level. ``host_kernel``: the host C kernel reads
-    the paged cache in place (``cpu_attention.run_branch``); otherwise torch
-    gathers the context blocks once per drafting (``_gathered_context``).
+    the drafter before each level. The committed KV is read in place from the
+    paged cache, never copied: ``host_kernel``: the host C kernel
+    (``cpu_attention.run_branch``); otherwise ``plan``
+    (``spec_tree_kernels.branch_attention.BranchAttentionPlan``: Triton on
+    CUDA, 1 launch per level or split + merge = 2; else torch over bounded
+    chunks of blocks with an online softmax).
     """
 
     k_cache: torch.Tensor
@@ -104,7 +108,7 @@ class BranchAttention:
     host_kernel: bool = False
     ancestors: torch.Tensor | None = None
     filled: int = 0
-    _context: tuple | None = None  # torch path: (ctx_k_t, ctx_v, ctx_bias), gathered on first use
+    plan: "BranchAttentionPlan | None" = None  # spec_tree_kernels.branch_attention's (Triton / torch paths)
 
     @classmethod
     def from_paged(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, block_rows: torch.Tensor,
@@ -115,14 +119,21 @@ class BranchAttention:
         committed positions per request, max_kv_len a host bound on them;
         impl: tree attention's implementation (``spec_tree_kernels`` names)."""
         from spec_tree_kernels import cpu_attention, resolve_impl
+        # here, not at import: it defines Triton kernels, which must see TRITON_INTERPRET as set by then
+        from spec_tree_kernels.branch_attention import BranchAttentionPlan
 
-        num_blocks = -(-max_kv_len // k_cache.shape[1])
         R, hkv, dim = len(kv_lens), k_cache.shape[2], k_cache.shape[3]
         scratch = k_cache.new_empty(2, R, branch_entries, hkv, dim)
         host = (resolve_impl("attention", impl, k_cache.device) == "cpu"
                 and cpu_attention.branch_supports(k_cache, v_cache))
-        return cls(k_cache=k_cache, v_cache=v_cache, blocks=block_rows[:, :num_blocks].long(), kv_lens=kv_lens,
-                   branch_k=scratch[0], branch_v=scratch[1], scale=scale, host_kernel=host)
+        plan = BranchAttentionPlan.create(block_rows, kv_lens, max_kv_len, k_cache.shape[1], impl=impl)
+        return cls(k_cache=k_cache, v_cache=v_cache, blocks=plan.blocks, kv_lens=plan.kv_lens,
+                   branch_k=scratch[0], branch_v=scratch[1], scale=scale, host_kernel=host, plan=plan)
+
+    @property
+    def num_rows(self) -> int:
+        """R * K: the level's query rows (set by ``ancestors``)."""
+        return self.ancestors.shape[0] * self.ancestors.shape[1]
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor):
         """query [R*K, Hq, D], key/value [R*K, Hkv, D] (RoPE applied) -> output [R*K, Hq, D]."""
@@ -133,47 +144,20 @@ class BranchAttention:
         self.branch_k[:, new] = key.view(R, K, hkv, dim).to(self.branch_k.dtype)
         self.branch_v[:, new] = value.view(R, K, hkv, dim).to(self.branch_v.dtype)
         self.filled += K
-        visible = torch.cat([self.ancestors, torch.eye(K, dtype=torch.bool, device=query.device).expand(R, K, K)], -1)
+        dst = output.view(R, K, hq, dim)
         if self.host_kernel and query.dtype == torch.float32:
             from spec_tree_kernels import cpu_attention
 
-            dst = output.view(R, K, hq, dim)
+            visible = torch.cat([self.ancestors, torch.eye(K, dtype=torch.bool, device=query.device).expand(R, K, K)],
+                                -1)
             res = cpu_attention.run_branch(query.view(R, K, hq, dim), self.k_cache, self.v_cache, self.blocks,
                                            self.kv_lens, self.branch_k, self.branch_v, self.filled, visible,
                                            self.scale, out=dst)
             if res is not dst:
                 dst.copy_(res)
             return output
-        return self._attend_torch(query, visible, output)
-
-    def _gathered_context(self):
-        if self._context is None:
-            ctx_k_t, ctx_v = gather_blocks(self.k_cache, self.v_cache, self.blocks)
-            positions = torch.arange(ctx_k_t.shape[1] * ctx_k_t.shape[-1], device=self.kv_lens.device)
-            ctx_bias = torch.zeros(len(self.kv_lens), positions.shape[0], dtype=torch.float32,
-                                   device=self.kv_lens.device)
-            ctx_bias.masked_fill_(positions[None] >= self.kv_lens[:, None], float("-inf"))
-            self._context = ctx_k_t, ctx_v, ctx_bias[:, None, None]
-        return self._context
-
-    def _attend_torch(self, query: torch.Tensor, visible: torch.Tensor, output: torch.Tensor):
-        ctx_k_t, ctx_v, ctx_bias = self._gathered_context()
-        R, _, hkv, dim, _ = ctx_k_t.shape
-        K = self.ancestors.shape[1]
-        hq = query.shape[-2]
-        group = hq // hkv
-        # query rows per KV head, ordered (g, j): [R, Hkv, G*K, D]
-        q = query.view(R, K, hkv, group, dim).float().permute(0, 2, 3, 1, 4).reshape(R, hkv, group * K, dim)
-        q = q * self.scale
-        s_ctx = scores_over_blocks(q, ctx_k_t).add_(ctx_bias)  # [R, Hkv, G*K, L]
-        bk = self.branch_k[:, : self.filled].float().permute(0, 2, 3, 1)  # [R, Hkv, D, filled]
-        bv = self.branch_v[:, : self.filled].float().permute(0, 2, 1, 3)  # [R, Hkv, filled, D]
-        s_br = torch.matmul(q, bk).view(R, hkv, group, K, self.filled)
-        s_br.masked_fill_(~visible[:, None, None], float("-inf"))
-        probs = torch.softmax(torch.cat([s_ctx, s_br.view(R, hkv, group * K, self.filled)], -1), dim=-1)
-        L = s_ctx.shape[-1]
-        out = values_over_blocks(probs[..., :L], ctx_v) + torch.matmul(probs[..., L:], bv)  # [R, Hkv, G*K, D]
-        output.view(R, K, hq, -1).copy_(out.view(R, hkv, group, K, dim).permute(0, 3, 1, 2, 4).reshape(R, K, hq, dim))
+        self.plan.run(query.view(R, K, hq, dim), self.k_cache, self.v_cache, self.branch_k, self.branch_v,
+                      self.filled, self.ancestors, self.scale, out=dst)
         return output
 
 
@@ -224,7 +208,9 @@ class TreeRowsMixin:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         if isinstance(attn_metadata, BranchAttention):  # a tree-drafting step (draft layer only)
-            return attn_metadata.attend(query, key, value, output)
+            rows = attn_metadata.num_rows  # rows past them pad the batch to a CUDA-graph size: not computed
+            attn_metadata.attend(query[:rows], key[:rows], value[:rows], output[:rows])
+            return output
         trees = _published
         tree_step = attn_metadata is not None and trees is not None and self.attn_type == AttentionType.DECODER
         if not (tree_step and trees.covers_batch):  # vLLM's rows (the tree rows are recomputed below)

@@ -224,8 +224,10 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     spec["num_speculative_tokens"] = settings.num_spec_tokens
     engine_args.speculative_config = spec
     if getattr(engine_args, "async_scheduling", None):
-        raise TreeConfigError("async_scheduling=True is not supported with spec_tree (the tree walk needs the "
-                              "accepted path on the host before the next step is scheduled); leave it unset")
+        raise TreeConfigError("async_scheduling=True is not supported with spec_tree (vLLM then schedules each "
+                              "step before the last step's drafts reach the host, with placeholder draft tokens; "
+                              "the tree runner plans a step's tree attention from the drafted trees on the host); "
+                              "leave it unset")
     engine_args.async_scheduling = False
     if bool(int(os.getenv("VLLM_BATCH_INVARIANT", "0"))):  # parsed as vllm/envs.py does
         raise TreeConfigError("VLLM_BATCH_INVARIANT=1 is not supported with spec_tree: the tree rows are computed by "
@@ -340,7 +342,14 @@ def prepare_gpu_engine_args(engine_args) -> None:
     from vllm.config import CUDAGraphMode
 
     # The tree mixin subclasses vLLM's V1 GPU runner; the V2 runner (default on
-    # CUDA in 0.33) has different seams. Environment, so spawned workers see it.
+    # CUDA in 0.33) has different seams, and no tree port of it can be tested here
+    # (vLLM-CPU runs V2 only with Triton's CPU backend). A user who asked for V2
+    # hears so now; otherwise V1 is pinned (environment: spawned workers see it).
+    forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if forced in ("1", "true", "yes"):
+        raise TreeConfigError(f"VLLM_USE_V2_MODEL_RUNNER={os.environ['VLLM_USE_V2_MODEL_RUNNER']}: spec-plugins "
+                              "tree mode runs on vLLM's V1 model runner (the tree runner subclasses it); unset the "
+                              "variable or set it to 0")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     engine_args.attention_backend = tree_backend(getattr(engine_args, "attention_backend", None),
                                                  "attention_backend")

@@ -18,13 +18,13 @@ class AcceptExtraFault:
     """The first rejected child of the last accepted node is emitted in place of
     the bonus token (an off-by-one in the walk)."""
 
-    def after_tree_sampling(self, out, groups, emitted):
+    def after_tree_sampling(self, out, groups):
+        tokens = out.sampled_token_ids
         for g in groups.values():
-            for b, row in enumerate(g.rows):
-                last = int(self._accepted_paths[row][-1])
-                child = int(g.build.retrieve_next_token[b, last])
-                if child >= 0:
-                    out.sampled_token_ids[row, emitted[row] - 1] = g.candidates[b, child]
+            child = g.build.retrieve_next_token.gather(1, g.last_node[:, None])[:, 0]
+            rejected = child >= 0
+            token = g.candidates.gather(1, child.clamp(min=0)[:, None])[:, 0]
+            tokens[g.rows_dev[rejected], g.accept_length[rejected]] = token[rejected].to(tokens.dtype)
 
 
 class SkipKVMoveFault:

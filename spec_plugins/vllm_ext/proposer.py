@@ -48,14 +48,34 @@ class TreeDrafter:
         self.draft_to_target = None if d2t is None else d2t + torch.arange(d2t.shape[0], device=d2t.device)
 
     # ------------------------------------------------------------ the head
-    def _forward(self, attn_metadata: dict, slot_mapping: dict, input_ids, positions, hidden):
-        """vLLM's head forward -> (hidden for logits, hidden for the next step) [N, H]."""
+    def _forward(self, attn_metadata: dict, input_ids, positions, hidden, slot_mapping=None):
+        """vLLM's head forward over N rows -> (hidden for logits, hidden for the next step) [N, H].
+
+        Run as vLLM's own drafter runs the head: the inputs in its persistent
+        buffers, padded to the size its CUDA-graph dispatcher picks, under the
+        runtime mode it picks, so on a GPU the piecewise graphs vLLM captured
+        for the head replay (attention, a splitting op, runs eager on our
+        metadata; padded rows have no metadata and are not computed).
+        slot_mapping [N]: the rows' slots in the paged cache (None: the rows'
+        KV stays out of it, as the draft levels' does)."""
         from vllm.forward_context import set_forward_context
 
-        with set_forward_context(attn_metadata, self.runner.vllm_config, num_tokens=input_ids.shape[0],
-                                 slot_mapping=slot_mapping):
+        drafter, n = self.vllm_drafter, input_ids.shape[0]
+        mode, padded, across_dp = drafter._determine_batch_execution_and_padding(n)
+        if padded > drafter.input_ids.shape[0]:  # more rows than vLLM's buffers: eager heads only (startup_checks)
+            mode, padded, across_dp = drafter._determine_batch_execution_and_padding(n, use_cudagraphs=False)
+        if padded <= drafter.input_ids.shape[0]:
+            drafter.input_ids[:n] = input_ids
+            drafter._set_positions(n, positions)
+            drafter.hidden_states[:n] = hidden
+            input_ids, positions = drafter.input_ids[:padded], drafter._get_positions(padded)
+            hidden = drafter.hidden_states[:padded]
+        slots = {} if slot_mapping is None else drafter._get_slot_mapping(padded, slot_mapping)
+        with set_forward_context(attn_metadata, self.runner.vllm_config, num_tokens=padded,
+                                 num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode, slot_mapping=slots):
             out = self.model(input_ids=input_ids.to(torch.int32), positions=positions, hidden_states=hidden)
-        return out if isinstance(out, tuple) else (out, out)
+        last, nxt = out if isinstance(out, tuple) else (out, out)
+        return last[:n], nxt[:n]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V_draft] logits over the head's own vocabulary (mapped by ``draft_to_target``)."""
@@ -74,8 +94,7 @@ class TreeDrafter:
         to the paged drafter cache. Returns (hidden for logits, next hidden) [N, H]."""
         n = input_ids.shape[0]
         _, per_layer = self.vllm_drafter.build_per_group_and_layer_attn_metadata(common_attn_metadata)
-        slots = self.vllm_drafter._get_slot_mapping(n, common_attn_metadata.slot_mapping[:n])
-        return self._forward(per_layer, slots, input_ids, positions, features)
+        return self._forward(per_layer, input_ids, positions, features, common_attn_metadata.slot_mapping[:n])
 
     def draft(self, last_hidden: torch.Tensor, next_hidden: torch.Tensor, kv_lens: torch.Tensor,
               max_kv_len: int, block_rows: torch.Tensor, kv_views, shape: TreeShape | None = None) -> DraftTrees:
@@ -96,7 +115,7 @@ class TreeDrafter:
             R = tokens.shape[0]
             branch.ancestors = ancestors
             positions = (base_positions + level).repeat_interleave(K)  # contiguous: vLLM's CPU RoPE needs it
-            h_logits, h_next = self._forward({self.layer_name: branch}, {}, tokens.flatten(), positions,
+            h_logits, h_next = self._forward({self.layer_name: branch}, tokens.flatten(), positions,
                                              hidden.flatten(0, 1))
             return self.logits(h_logits).view(R, K, -1), h_next.view(R, K, -1)
 

@@ -166,8 +166,8 @@ def spread_bonus_logprobs(bonus, counts, grid):
     import torch
     from vllm.v1.outputs import LogprobsTensors
 
-    if bonus is None:
-        return None
+    if bonus is None or bonus.logprob_token_ids.dim() != 2:  # None, or logprobs=-1's placeholder: passed on
+        return bonus
     batch, width = grid.shape
     cols = bonus.logprob_token_ids.shape[1]
     ids = grid.clamp(min=0).to(bonus.logprob_token_ids.dtype).reshape(-1, 1).repeat(1, cols)

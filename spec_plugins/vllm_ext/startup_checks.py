@@ -38,6 +38,26 @@ def check_at_startup(runner, target_layers, draft_layers) -> None:
         runner.kv_views(layer_kv(layer))  # as the accepted-path KV move will read it
     for name in draft_layers:
         runner.kv_views(layer_kv(ctx[name]))  # as the proposer reads the head's cache
+    check_draft_rows_fit(runner)
+
+
+def check_draft_rows_fit(runner) -> None:
+    """A draft level runs every drafting request's K frontier nodes through the
+    head at once. A compiled head (vLLM's piecewise backend, the CUDA default)
+    takes at most the drafter's buffer of max_num_batched_tokens rows per
+    forward; more would fail inside a step, so it is refused now."""
+    from vllm.config import CompilationMode
+
+    if runner.compilation_config.mode == CompilationMode.NONE:  # eager: any number of rows
+        return
+    settings = runner.tree_settings
+    topk = max(s.topk for s in (settings.menu or (settings.shape,)) if s is not None)
+    seqs, limit = runner.scheduler_config.max_num_seqs, runner.drafter.input_ids.shape[0]
+    if seqs * topk > limit:
+        raise TreeConfigError(
+            f"max_num_seqs={seqs} x topk={topk} = {seqs * topk} head rows per draft level exceeds the compiled "
+            f"head's {limit} (max_num_batched_tokens): set max_num_seqs <= {limit // topk}, "
+            f"max_num_batched_tokens >= {seqs * topk}, or enforce_eager=True")
 
 
 def layer_kv(layer) -> torch.Tensor:
@@ -85,7 +105,8 @@ def warm_tree_kernels(runner, target_layers, draft_layers):
     menu shape, batches group trees by size (1..max_num_seqs) and contexts
     grow to max_model_len (the split-KV plan follows both). Every layer with
     tree rows takes part (the head's too: its extend runs them), read through
-    its real cache views. Returns ``spec_tree_kernels.startup.WarmUp``."""
+    its real cache views; the head's layer also with its draft steps' kernel
+    (every shape's K and levels). Returns ``spec_tree_kernels.startup.WarmUp``."""
     from spec_tree_kernels.startup import TRITON_OPS, AttentionLayer, ServingConfig, warm_up
 
     settings = runner.tree_settings
@@ -103,5 +124,6 @@ def warm_tree_kernels(runner, target_layers, draft_layers):
         block_table = runner.input_batch.block_table[group_of[name]].block_table.gpu  # what attn_metadata carries
         layers.append(AttentionLayer(layer.impl.num_heads, k_view, v_view, block_table, layer.impl.tree_impl))
     kv_caches = [view for name in group_of for view in runner.kv_views(layer_kv(ctx[name]))]  # as the KV move reads
+    # the head's draft steps (BranchAttention) read its cache through a kernel of their own
     return warm_up(config, runner.device, impls=dict.fromkeys(TRITON_OPS, runner.tree_impl), layers=layers,
-                   kv_caches=kv_caches)
+                   kv_caches=kv_caches, draft_layers=layers[len(target_layers):])

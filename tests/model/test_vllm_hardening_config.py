@@ -142,7 +142,7 @@ def test_cudagraph_mode_strings_are_parsed(monkeypatch, given, pinned):
     from vllm.config import CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # prepare_gpu_engine_args pins it; restored after
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # prepare_gpu_engine_args pins it; restored after
     ea = EngineArgs(model="unused")
     ea.compilation_config.cudagraph_mode = given  # an assignment skips vLLM's own string parsing
     tc.prepare_gpu_engine_args(ea)
@@ -154,7 +154,7 @@ def test_cudagraph_mode_strings_are_parsed(monkeypatch, given, pinned):
 def test_full_or_unknown_cudagraph_mode_strings_are_refused(monkeypatch, given, needle):
     from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     ea = EngineArgs(model="unused")
     ea.compilation_config.cudagraph_mode = given
     with pytest.raises(tc.TreeConfigError, match=needle):

@@ -86,12 +86,12 @@ def test_instance_attribute_read_from_the_runner_is_a_seam(monkeypatch):
 
 
 def test_constructed_dataclass_gaining_a_required_field_is_named(monkeypatch):
-    from vllm.v1.spec_decode import metadata
+    from vllm.v1 import outputs
 
-    changed = dataclasses.make_dataclass("SpecDecodeMetadata", [
-        *((f.name, f.type) for f in dataclasses.fields(metadata.SpecDecodeMetadata)), ("tree_depths", list)])
-    monkeypatch.setattr(metadata, "SpecDecodeMetadata", changed)
-    assert "SpecDecodeMetadata (ctor): fields are (" in _error(platform="cpu")
+    changed = dataclasses.make_dataclass("SamplerOutput", [
+        *((f.name, f.type) for f in dataclasses.fields(outputs.SamplerOutput)), ("tree_depths", list)])
+    monkeypatch.setattr(outputs, "SamplerOutput", changed)
+    assert "SamplerOutput (ctor): fields are (" in _error(platform="cpu")
 
 
 def test_env_and_constant_seams_on_cuda(monkeypatch):

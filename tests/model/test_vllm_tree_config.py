@@ -212,13 +212,21 @@ def test_vllm_spec_flags_are_merged_before_vllm_merges_them():
 def test_gpu_engine_args_give_the_head_the_tree_backend(monkeypatch):
     """CUDA: vLLM builds the head's config with speculative_config.attention_backend
     (not the target's): it is set to CUSTOM, and another one is refused by name."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # prepare_gpu_engine_args pins it: restored after
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # prepare_gpu_engine_args pins it: restored after
     ea = _engine_args()
     tc.prepare_gpu_engine_args(ea)
     assert ea.speculative_config["attention_backend"] == "CUSTOM" and ea.attention_backend == "CUSTOM"
     bad = _engine_args(speculative_config={"method": "eagle3", "model": "x", "attention_backend": "FLASH_ATTN"})
     with pytest.raises(tc.TreeConfigError, match="speculative_config attention_backend='FLASH_ATTN'"):
         tc.prepare_gpu_engine_args(bad)
+
+
+@pytest.mark.parametrize("value", ["1", "true"])
+def test_a_forced_v2_runner_is_refused_by_name(monkeypatch, value):
+    """Issue #37: a user who asks for vLLM's V2 runner hears that tree mode runs on V1 (it was silently overridden)."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    with pytest.raises(tc.TreeConfigError, match=f"VLLM_USE_V2_MODEL_RUNNER={value}: .*V1 model runner"):
+        tc.prepare_gpu_engine_args(_engine_args())
 
 
 def test_register_is_idempotent():
@@ -237,17 +245,15 @@ def test_register_is_idempotent():
 # ------------------------------------------------------------ runner pieces
 
 
-def test_chain_spec_decode_metadata_layout():
-    """Logits laid out request by request: drafts' rows then the bonus row."""
-    from spec_plugins.vllm_ext.runner import chain_spec_decode_metadata
+def test_paths_from_emitted_walks_the_tree_by_token():
+    """The budget's host paths come from the emitted tokens vLLM already read (no device read)."""
+    from spec_plugins.vllm_ext.runner import paths_from_emitted
 
-    md = chain_spec_decode_metadata([[11, 12], [], [13]], "cpu")
-    assert md.num_draft_tokens == [2, 0, 1]
-    assert md.draft_token_ids.tolist() == [11, 12, 13]
-    assert md.target_logits_indices.tolist() == [0, 1, 4]  # rows 0,1 | - | 4
-    assert md.bonus_logits_indices.tolist() == [2, 3, 5]
-    assert md.cu_num_draft_tokens.tolist() == [2, 2, 3]
-    assert md.cu_num_sampled_tokens.tolist() == [3, 4, 6]
+    tokens, parents = [100, 5, 6, 7, 8], [-1, 0, 0, 1, 2]
+    assert paths_from_emitted(tokens, parents, [9]) == [0]  # the root's children all rejected: bonus only
+    assert paths_from_emitted(tokens, parents, [6, 8, 3]) == [0, 2, 4]
+    assert paths_from_emitted(tokens, parents, [5, 7, 1]) == [0, 1, 3]
+    assert paths_from_emitted(tokens, parents, [5, 8, 1]) == [0, 1]  # 8 is not a child of node 1: no walk past it
 
 
 def test_tree_rows_view_or_gather():
@@ -448,3 +454,29 @@ def test_compute_tree_rows_matches_brute_force(layout, impl, views):
             w = torch.softmax(torch.einsum("hgd,lhd->hgl", qi, k) * dim ** -0.5, dim=-1)
             want = torch.einsum("hgl,lhd->hgd", w, v).reshape(heads, dim)
             torch.testing.assert_close(out[int(q_start[r]) + i], want, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_heads_refuse_more_draft_rows_than_their_buffer():
+    """Review of #37: a compiled head takes at most max_num_batched_tokens rows per forward, and a draft
+    level runs max_num_seqs x topk. The runner here is a namespace with the four fields the check reads
+    (building a compiled engine just to fail its startup would take minutes)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import CompilationMode
+
+    from spec_plugins.tree_drafting import TreeShape
+    from spec_plugins.vllm_ext.startup_checks import check_draft_rows_fit
+
+    def runner(mode, seqs, menu=None):
+        return SimpleNamespace(compilation_config=SimpleNamespace(mode=mode),
+                               tree_settings=SimpleNamespace(shape=TreeShape(5, 4, 8), menu=menu),
+                               scheduler_config=SimpleNamespace(max_num_seqs=seqs),
+                               drafter=SimpleNamespace(input_ids=torch.zeros(128)))
+
+    check_draft_rows_fit(runner(CompilationMode.VLLM_COMPILE, 32))  # 32 x 4 = 128 rows: fits
+    check_draft_rows_fit(runner(CompilationMode.NONE, 256))  # eager: any number
+    with pytest.raises(tc.TreeConfigError, match=r"max_num_seqs=33 x topk=4 = 132 .* max_num_seqs <= 32"):
+        check_draft_rows_fit(runner(CompilationMode.VLLM_COMPILE, 33))
+    with pytest.raises(tc.TreeConfigError, match=r"topk=8"):
+        check_draft_rows_fit(runner(CompilationMode.VLLM_COMPILE, 32, menu=(None, TreeShape(3, 8, 16))))

@@ -11,7 +11,8 @@ own sources, as far as its modules import here (issue 19, CI guard):
   and the model runner ask a spec algorithm;
 * the four hooked functions keep the signatures their callers use;
 * attention backends: every verify entry point of the parents of ``spec_tree``
-  and ``spec_tree_triton`` is ours or CUDA-graph / decode only; SGLang's
+  and ``spec_tree_triton`` is ours (the TARGET_VERIFY graph entry points
+  included), decode only, or the base's shared-read rule; SGLang's
   FULL_MASK consumers get a fully written buffer through
   ``build_eagle_verify_input``'s preallocated path (``seq_lens_sum`` 0).
 
@@ -217,9 +218,8 @@ _VERIFY_WORDS = re.compile(r"target_verify|custom_mask|verify_mask|spec_info")
 # is reached in tree verify with our backends:
 NOT_REACHED = {
     "forward_decode": "decode batches only (TARGET_VERIFY goes to forward_extend)",
-    "init_cuda_graph_state": "CUDA graphs: turned off by the resolution hook",
-    "glue_target_verify_metadata": "decode CUDA-graph runner only",
-    "shared_read_ends": "decode CUDA-graph runner only",
+    # (init_cuda_graph_state and glue_target_verify_metadata are ours: TARGET_VERIFY graphs, issue #38)
+    "shared_read_ends": "the base's rule for verify (shared reads end in the replay); ours end earlier, before it",
 }
 
 

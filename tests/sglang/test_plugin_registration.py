@@ -263,13 +263,31 @@ def test_resolution_applies_sglang_eagle_defaults(ckpt):
     assert (view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (5, 4, 8)
     assert view.max_running_requests == 48
     assert view.disable_overlap_schedule  # CPU: SGLang turns overlap off for speculative decoding
-    # ours: our backend has no CUDA-graph verify; the draft needs one of SGLang's draft backends
+    # ours: spec_tree's torch verify is not capturable; the draft needs one of SGLang's draft backends
     assert view.cuda_graph_config.decode.backend == "disabled"
     assert view.cuda_graph_config.prefill.backend == "disabled"
     assert view.speculative_draft_attention_backend == "intel_amx"
     # topk == 1: SGLang pins draft tokens to steps + 1, as for EAGLE
     view = resolved_view(resolve(ckpt, speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=8))
     assert view.speculative_num_draft_tokens == 4
+
+
+@pytest.mark.parametrize("head", ["eagle_head", "eagle3_head"])
+def test_cuda_graphs_stay_enabled_with_spec_tree_triton(ckpt, head):
+    """Issue #38: spec_tree_triton keeps every CUDA graph SGLang's own triton
+    backend gets (draft decode and draft extend follow the DECODE phase in
+    eagle_worker_v2._capture_cuda_graphs; TARGET_VERIFY is the target's decode
+    graph runner through our backend, tests/sglang/test_plugin_graphs.py).
+    Resolved for a GPU server (device cuda: resolution reads no device)."""
+    ours = resolved_view(resolve(ckpt, head=head, attention_backend=config.BACKEND_TRITON, device="cuda"))
+    sglangs = resolved_view(resolve(ckpt, head=head, attention_backend="triton", device="cuda"))
+    assert ours.cuda_graph_config.decode.backend == sglangs.cuda_graph_config.decode.backend == "full"
+    assert ours.cuda_graph_config.prefill.backend == sglangs.cuda_graph_config.prefill.backend
+    assert ours.cuda_graph_config == sglangs.cuda_graph_config
+    assert ours.speculative_draft_attention_backend == "triton"  # SGLang's Triton backend runs the draft
+    # spec_tree (torch verify) turns them off
+    torch_view = resolved_view(resolve(ckpt, head=head, attention_backend=config.BACKEND_TORCH, device="cuda"))
+    assert torch_view.cuda_graph_config.decode.backend == torch_view.cuda_graph_config.prefill.backend == "disabled"
 
 
 def test_resolution_with_sglang_backend_keeps_its_mode(ckpt, monkeypatch):
@@ -358,3 +376,44 @@ def test_other_algorithms_are_untouched(ckpt, monkeypatch):
     view = resolved_view(server_args)
     assert view.speculative_algorithm == "EAGLE" and view.speculative_draft_attention_backend is None
     assert config.VARIANT_ENV not in os.environ
+
+
+# ------------------------------------------------- README: graphs per backend
+
+
+def readme_graph_table() -> dict:
+    """README's SGLang section: the CUDA-graphs table, {backend: (modes, [on/off x 3])}."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    section = readme[readme.index("## SGLang: `--speculative-algorithm EAGLE_TREE`"):]
+    section = section[: section.index("\n## ", 1)]
+    header = "| `--attention-backend` | mask modes | draft decode graph | draft extend graph | target verify graph |"
+    assert header in section, "README's SGLang section lost its CUDA-graphs table"
+    rows = {}
+    for line in section[section.index(header):].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        names, modes, *graphs = [cell.strip() for cell in line.strip("|").split("|")]
+        for name in re.findall(r"`([^`]+)`", names):
+            rows[name] = ([m.strip() for m in modes.split(",")], graphs)
+    return rows
+
+
+def test_readme_graph_table_matches_resolution_and_backends(ckpt):
+    """Each row: the modes the backend reads (config), and graphs on / off as
+    resolution leaves them for a GPU server: draft decode and draft extend
+    follow the DECODE phase (eagle_worker_v2._capture_cuda_graphs), target
+    verify is the target's decode graph runner, on our backend only where it
+    has the capture entry points and is not graphless."""
+    from spec_plugins.sglang_ext.attention import TreeVerifyMixin
+
+    rows = readme_graph_table()
+    assert {config.BACKEND_TRITON, config.BACKEND_TORCH, "flashinfer", "triton", "fa3"} <= set(rows)
+    for backend, (modes, graphs) in rows.items():
+        assert modes == [m.name for m in config.readable_modes(backend)], backend
+        view = resolved_view(resolve(ckpt, attention_backend=backend, device="cuda"))
+        decode_on = view.cuda_graph_config.decode.backend != "disabled"
+        expected = ["on" if decode_on else "off"] * 3
+        if backend in config.OUR_BACKENDS:
+            assert (backend not in config.GRAPHLESS_BACKENDS) == decode_on, backend
+            assert "graph_verify_metadata" in vars(TreeVerifyMixin)
+        assert graphs == expected, f"README says {graphs} for {backend}, resolution gives {expected}"

@@ -1,0 +1,371 @@
+"""CUDA graphs with ``spec_tree_triton`` (issue #38): TARGET_VERIFY captured
+through our backend, driven by SGLang's own graph entry points.
+
+Runs in ``.venv-sglang`` with ``TRITON_INTERPRET=1``. Real: SGLang's
+``TritonAttnBackend`` under our mixin (the ``spec_tree_triton`` class, built
+from the registry), ``ReqToTokenPool`` / ``MHATokenToKVPool``,
+``ForwardBatch``, ``EagleVerifyInput`` from SGLang's ``build_eagle_verify_input``,
+``ModelConfig`` of a config-only checkpoint and SGLang's
+``build_replay_fb_view`` (the ForwardBatch view a replay hands the backend).
+
+Stubbed, because there is no GPU here: the graph runner. ``StubVerifyGraphRunner``
+makes the calls ``DecodeCudaGraphRunner`` makes for TARGET_VERIFY
+(``init_cuda_graph_state``, ``get_cuda_graph_seq_len_fill_value``, static
+input buffers padded with that fill value, ``init_forward_metadata_out_graph``
+with ``in_capture=True`` then the in-graph prep and the forward; at replay the
+input copies, the replay view, ``init_forward_metadata_out_graph`` and the
+captured body). A CPU cannot record kernels, so "replay" re-runs the body
+captured as a closure over the capture-time objects, which is what a CUDA
+graph would read (the same tensors at the same addresses); the tests check
+that replay hands the body the very plan and buffers of the capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+
+from sglang_gate import require_sglang_venv
+
+require_sglang_venv()
+
+from spec_plugins.sglang_ext import _testing  # noqa: E402
+
+import torch  # noqa: E402
+from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
+from sglang.srt.speculative.eagle_info import EagleVerifyInput  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+import spec_tree_kernels.triton_launch as triton_launch  # noqa: E402
+import spec_tree_kernels.triton_ops as triton_ops  # noqa: E402
+from spec_plugins.sglang_ext import config  # noqa: E402
+from spec_tree_kernels import TreeMaskMode  # noqa: E402
+from test_plugin_attention import (  # noqa: E402
+    DIM, HKV, HQ, NODES, POOL_SLOTS, STEPS, TOPK, dense_reference, setup_batch, verify_input_via_sglang,
+)  # fmt: skip
+
+pytestmark = pytest.mark.sglang
+
+MAX_CTX = 64
+CAPTURE_BS = 4  # the graph's batch; the replays below run 3 real requests padded to it
+MODES = [TreeMaskMode.ANCESTOR_BITMASK, TreeMaskMode.PARENT_POINTER, TreeMaskMode.QLEN_ONLY]
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    ckpt = _testing.write_tiny_checkpoint_configs(tmp_path_factory.mktemp("ckpt"))
+    server_args = _testing.resolved_server_args(
+        model_path=ckpt["target"], speculative_algorithm="EAGLE_TREE", speculative_draft_model_path=ckpt["eagle_head"],
+        attention_backend=config.BACKEND_TRITON, speculative_num_steps=STEPS, speculative_eagle_topk=TOPK,
+        speculative_num_draft_tokens=NODES,
+    )  # fmt: skip
+    _testing.publish(server_args)
+    return server_args
+
+
+def make_triton_backend(published, monkeypatch, mode):
+    """The registry's ``spec_tree_triton`` backend over a fake model runner (a
+    namespace of real pools and SGLang's ModelConfig of the tiny checkpoint)."""
+    monkeypatch.setenv(config.MASK_MODE_ENV, mode.name)
+    r2t = ReqToTokenPool(size=6, max_context_len=MAX_CTX, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=POOL_SLOTS, page_size=1, dtype=torch.float32, head_num=HKV, head_dim=DIM, layer_num=2, device="cpu",
+        enable_memory_saver=False,
+    )  # fmt: skip
+    runner = types.SimpleNamespace(
+        device="cpu", gpu_id=0, req_to_token_pool=r2t, token_to_kv_pool=kv, token_to_kv_pool_allocator=None,
+        use_mla_backend=False, sliding_window_size=None, is_draft_worker=False, dtype=torch.float32,
+        kv_cache_dtype=torch.float32, model=torch.nn.ModuleList(), model_config=ModelConfig.from_server_args(published),
+        page_size=1, kv_index_translator=None, decode_num_tokens_per_req=lambda num_draft_tokens=None: NODES,
+        spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE_TREE"),
+    )  # fmt: skip
+    # no process groups here: the rank SGLang's Triton backend reads, as a single-GPU server has it
+    with get_parallel().override(attn_dcp_rank=0):
+        backend = ATTENTION_BACKENDS[config.BACKEND_TRITON](runner)
+    backend.tree_attention_impl = "triton"  # CPU tensors under TRITON_INTERPRET=1: the GPU's kernels
+    return backend, runner
+
+
+LAYERS = [RadixAttention(num_heads=HQ, head_dim=DIM, scaling=DIM**-0.5, num_kv_heads=HKV, layer_id=i) for i in range(2)]
+
+
+class StubVerifyGraphRunner:
+    """SGLang's DecodeCudaGraphRunner for TARGET_VERIFY, as far as it talks to
+    the attention backend (see the module docstring)."""
+
+    def __init__(self, backend, max_bs, nodes):
+        self.backend, self.max_bs, self.nodes = backend, max_bs, nodes
+        tokens = max_bs * nodes
+        backend.init_cuda_graph_state(max_bs, tokens)
+        self.fill = backend.get_cuda_graph_seq_len_fill_value()
+        # DecodeInputBuffers.create's verify inputs
+        self.buffers = types.SimpleNamespace(
+            input_ids=torch.zeros(tokens, dtype=torch.int64), positions=torch.zeros(tokens, dtype=torch.int64),
+            req_pool_indices=torch.zeros(max_bs, dtype=torch.int64),
+            seq_lens=torch.full((max_bs,), self.fill, dtype=torch.int64),
+            seq_lens_cpu=torch.full((max_bs,), self.fill, dtype=torch.int64),
+            out_cache_loc=torch.zeros(tokens, dtype=torch.int64), encoder_lens=None, mamba_track_indices=None,
+            custom_mask=torch.ones((max_bs * self.fill + tokens) * nodes, dtype=torch.bool),
+        )  # fmt: skip
+        self.q = torch.zeros(tokens, HQ * DIM)
+        self.k = torch.zeros(tokens, HKV, DIM)
+        self.v = torch.zeros(tokens, HKV, DIM)
+        self.graphs = {}
+        self.replayed = []  # the captured batch size each replay ran
+
+    def capture(self, bs):
+        b, n = self.buffers, bs * self.nodes
+        # get_spec_info(): SGLang's verify input at capture, its FULL_MASK placeholder as the mask
+        spec = EagleVerifyInput(
+            draft_token=None, custom_mask=b.custom_mask, positions=None, retrieve_index=None,
+            retrieve_next_token=None, retrieve_next_sibling=None, retrieve_cum_len=None, spec_steps=STEPS,
+            topk=TOPK, draft_token_num=self.nodes, capture_hidden_mode=None, seq_lens_sum=None, seq_lens_cpu=None,
+        )  # fmt: skip
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=b.input_ids[:n],
+            req_pool_indices=b.req_pool_indices[:bs], seq_lens=b.seq_lens[:bs], seq_lens_cpu=b.seq_lens_cpu[:bs],
+            out_cache_loc=b.out_cache_loc[:n], seq_lens_sum=int(b.seq_lens[:bs].sum()), spec_info=spec,
+            positions=b.positions[:n],
+        )  # fmt: skip
+        self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        captured_meta = self.backend._tree_meta
+
+        def body():
+            self.backend.init_forward_metadata_in_graph(fb)
+            return [self.backend.forward(self.q[:n], self.k[:n], self.v[:n], layer, fb) for layer in LAYERS]
+
+        body()  # the warm-up run before capture
+        self.graphs[bs] = (body, captured_meta)
+        return captured_meta
+
+    def replay(self, fb, q, k, v):
+        """``fb``: the real verify batch. Returns each layer's output rows of its requests."""
+        raw_bs = fb.batch_size
+        bs = min(s for s in self.graphs if s >= raw_bs)
+        b, n, raw_n = self.buffers, bs * self.nodes, raw_bs * self.nodes
+        # replay_prepare: copy the inputs, pad the rest
+        b.req_pool_indices[:raw_bs].copy_(fb.req_pool_indices)
+        b.req_pool_indices[raw_bs:bs].zero_()
+        b.seq_lens[:raw_bs].copy_(fb.seq_lens)
+        b.seq_lens[raw_bs:bs].fill_(self.fill)
+        b.seq_lens_cpu[:raw_bs].copy_(fb.seq_lens_cpu)
+        b.seq_lens_cpu[raw_bs:bs].fill_(self.fill)
+        b.out_cache_loc[:raw_n].copy_(fb.out_cache_loc)
+        b.out_cache_loc[raw_n:n].zero_()  # slot 0: the padding slot
+        self.q[:raw_n].copy_(q)
+        self.k[:raw_n].copy_(k)
+        self.v[:raw_n].copy_(v)
+        view = build_replay_fb_view(
+            forward_batch=fb, buffers=b, bs=bs, raw_bs=raw_bs, num_tokens=n, global_num_tokens_cpu=None,
+            seq_len_fill_value=self.fill, capture_forward_mode=ForwardMode.TARGET_VERIFY, is_encoder_decoder=False,
+        )  # fmt: skip
+        self.backend.init_forward_metadata_out_graph(view)
+        body, captured_meta = self.graphs[bs]
+        self.replayed.append(bs)
+        # a graph replays the capture's kernels: the prep above must have kept the capture's plan
+        assert self.backend._tree_meta is captured_meta
+        return [out[:raw_n] for out in body()]
+
+
+def eager_verify(backend, fb, q, k, v):
+    backend.init_forward_metadata(fb)
+    return [backend.forward(q, k, v, layer, fb) for layer in LAYERS]
+
+
+def real_batch(gen, backend, runner, bs):
+    ctx, rows, slots, out_cache_loc = setup_batch(gen, runner, bs, NODES)
+    verify_input, parents = verify_input_via_sglang(backend, gen, ctx, rows, runner)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=verify_input.draft_token,
+        req_pool_indices=rows, seq_lens=ctx, out_cache_loc=out_cache_loc, seq_lens_sum=int(ctx.sum()),
+        seq_lens_cpu=ctx.clone(), spec_info=verify_input, positions=verify_input.positions,
+    )  # fmt: skip
+    q = torch.randn(bs * NODES, HQ * DIM, generator=gen)
+    k = torch.randn(bs * NODES, HKV, DIM, generator=gen)
+    v = torch.randn(bs * NODES, HKV, DIM, generator=gen)
+    return fb, q, k, v, (slots, ctx, parents)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_target_verify_capture_and_replay_equal_eager(published, monkeypatch, mode):
+    gen = torch.Generator().manual_seed(100 + int(mode))
+    backend, runner = make_triton_backend(published, monkeypatch, mode)
+    graphs = StubVerifyGraphRunner(backend, CAPTURE_BS, NODES)
+    small = graphs.capture(2).plan  # SGLang captures several batch sizes, largest first or not
+    meta = graphs.capture(CAPTURE_BS)
+    plan = meta.plan
+    # the captured plan reads the backend's static buffers, and its own verify-mask buffer
+    static = backend._tree_graph
+    assert plan.block_table.data_ptr() == static.block_table.data_ptr()
+    assert plan.context_lens.data_ptr() == static.context_lens.data_ptr()
+    assert plan.mask.data_ptr() == backend.verify_mask.buffer.data_ptr()
+    assert plan.impl == "triton" and plan.max_context_len is None  # split plan for any context
+    pointers = (plan.block_table.data_ptr(), plan.context_lens.data_ptr(), plan.mask.data_ptr())
+
+    # every captured size reads the same static buffers
+    assert (small.block_table.data_ptr(), small.context_lens.data_ptr(), small.mask.data_ptr()) == pointers
+
+    longest = []
+    for step in range(3):  # batches of different sequence lengths through the graphs
+        if step == 0:
+            fb, q, k, v, (slots, ctx, parents) = real_batch(gen, backend, runner, CAPTURE_BS - 1)
+        elif step == 1:  # longer contexts than the first batch's: columns the first replay did not copy are read
+            ctx = torch.tensor([3, MAX_CTX - NODES - 2, MAX_CTX - NODES - 3])
+            fb, q, k, v, (slots, ctx, parents) = _with_lens(gen, backend, runner, ctx)
+        else:  # one request: the graph of 2, padded
+            fb, q, k, v, (slots, ctx, parents) = _with_lens(gen, backend, runner, torch.tensor([MAX_CTX - NODES - 4]))
+        longest.append(int(ctx.max()))
+        expected = eager_verify(backend, fb, q, k, v)
+        replayed = graphs.replay(fb, q, k, v)
+        for layer, (got, want) in enumerate(zip(replayed, expected)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            dense = dense_reference(q, k, v, runner.token_to_kv_pool, layer, slots, ctx, parents, DIM**-0.5)
+            torch.testing.assert_close(got.double(), dense, atol=2e-5, rtol=2e-5)
+        assert (plan.block_table.data_ptr(), plan.context_lens.data_ptr(), plan.mask.data_ptr()) == pointers
+    assert longest[1] > longest[0]
+    assert graphs.replayed == [CAPTURE_BS, CAPTURE_BS, 2]
+
+
+def _with_lens(gen, backend, runner, ctx):
+    """A verify batch whose requests have the given context lengths."""
+    bs = ctx.shape[0]
+    _, rows, slots, _ = setup_batch(gen, runner, bs, NODES)
+    out_cache_loc = torch.stack([slots[b, ctx[b] : ctx[b] + NODES] for b in range(bs)]).flatten().long()
+    verify_input, parents = verify_input_via_sglang(backend, gen, ctx, rows, runner)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=verify_input.draft_token,
+        req_pool_indices=rows, seq_lens=ctx, out_cache_loc=out_cache_loc, seq_lens_sum=int(ctx.sum()),
+        seq_lens_cpu=ctx.clone(), spec_info=verify_input, positions=verify_input.positions,
+    )  # fmt: skip
+    q = torch.randn(bs * NODES, HQ * DIM, generator=gen)
+    k = torch.randn(bs * NODES, HKV, DIM, generator=gen)
+    v = torch.randn(bs * NODES, HKV, DIM, generator=gen)
+    return fb, q, k, v, (slots, ctx, parents)
+
+
+# ------------------------------------------------------ no host reads per step
+
+
+class HostReadError(AssertionError):
+    pass
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails on any read of a tensor's value into Python (``item``, ``int()``,
+    ``bool()``: aten._local_scalar_dense) and on a copy to the CPU from another
+    device. On this CPU-only machine every tensor is a CPU tensor, so a "D2H
+    read" is a value read of any tensor other than SGLang's host mirror of the
+    lengths (``allowed``: ``seq_lens_cpu``, which the scheduler keeps on the
+    host precisely for this). ``tolist``/``numpy`` do not dispatch: the
+    function-mode half below catches them."""
+
+    def __init__(self, allowed):
+        super().__init__()
+        self.allowed = {t.untyped_storage().data_ptr() for t in allowed}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            if args[0].untyped_storage().data_ptr() not in self.allowed:
+                raise HostReadError(f"host read of a device value: {func} on {tuple(args[0].shape)}")
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            dst_device = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device")
+            if src.device.type != "cpu" and dst_device is not None and torch.device(dst_device).type == "cpu":
+                raise HostReadError(f"D2H copy: {func}")
+        return func(*args, **kwargs)
+
+
+class NoHostListReads(TorchFunctionMode):
+    def __init__(self, allowed):
+        super().__init__()
+        self.allowed = {t.untyped_storage().data_ptr() for t in allowed}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.item):
+            if args[0].untyped_storage().data_ptr() not in self.allowed:
+                raise HostReadError(f"host read of a device value: {func.__name__} on {tuple(args[0].shape)}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch, allowed):
+    """NoHostReads around our code, not around the kernels: under
+    TRITON_INTERPRET=1 a launch *is* a host program that reads its tensors
+    (on a GPU it reads nothing on the host), so launches run with the modes off."""
+    launch = triton_launch.launch
+
+    def launch_outside_the_modes(*args, **kwargs):
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            return launch(*args, **kwargs)
+
+    # the seam, where the op modules call it (triton_ops holds its own name for it)
+    monkeypatch.setattr(triton_launch, "launch", launch_outside_the_modes)
+    monkeypatch.setattr(triton_ops, "launch", launch_outside_the_modes)
+    with NoHostListReads(allowed), NoHostReads(allowed):
+        yield
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_verify_step_makes_no_host_reads(published, monkeypatch, mode):
+    gen = torch.Generator().manual_seed(200 + int(mode))
+    backend, runner = make_triton_backend(published, monkeypatch, mode)
+    graphs = StubVerifyGraphRunner(backend, CAPTURE_BS, NODES)
+    graphs.capture(CAPTURE_BS)
+    fb, q, k, v, _ = real_batch(gen, backend, runner, CAPTURE_BS - 1)
+    expected = eager_verify(backend, fb, q, k, v)
+    # the detector itself: a value read of a device tensor fails
+    with pytest.raises(HostReadError), no_host_reads(monkeypatch, [graphs.buffers.seq_lens_cpu]):
+        int(fb.seq_lens.max())
+    # the graph's replay prep and body, then the eager step (its host mirror is fb.seq_lens_cpu)
+    with no_host_reads(monkeypatch, [graphs.buffers.seq_lens_cpu, fb.seq_lens_cpu]):
+        replayed = graphs.replay(fb, q, k, v)
+        eager = eager_verify(backend, fb, q, k, v)
+    for got, again, want in zip(replayed, eager, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(again, want, atol=0, rtol=0)
+
+
+def test_graph_prep_with_the_torch_path_fails_naming_the_way_out(published, monkeypatch):
+    """A torch (host-sized) verify path cannot be captured: a clear error
+    rather than a wrong graph."""
+    backend, _ = make_triton_backend(published, monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)
+    backend.tree_attention_impl = "torch"
+    graphs = types.SimpleNamespace()
+    with pytest.raises(RuntimeError, match="resolved implementation: 'torch'.*--disable-cuda-graph"):
+        graphs = StubVerifyGraphRunner(backend, CAPTURE_BS, NODES)
+        graphs.capture(CAPTURE_BS)
+
+
+# ------------------------------------------------- the eager step's block table
+
+
+def test_eager_verify_plan_reads_only_the_batchs_longest_context(published, monkeypatch):
+    """The eager verify copies the requests' req_to_token columns up to the
+    longest context + T (from the host-side lengths), not whole rows (about
+    25 MB a step at batch 48 with 128k-token rows), and sizes the split plan
+    with that longest context rather than the longest possible one."""
+    backend, runner = make_triton_backend(published, monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)
+    gen = torch.Generator().manual_seed(5)
+    fb, *_ = real_batch(gen, backend, runner, 3)
+    longest = int(fb.seq_lens_cpu.max())
+    backend.init_forward_metadata(fb)
+    plan = backend._tree_meta.plan
+    assert plan.block_table.shape == (3, longest + NODES) and longest + NODES < MAX_CTX
+    assert plan.max_context_len == longest
+    rows = runner.req_to_token_pool.req_to_token[fb.req_pool_indices]
+    assert torch.equal(plan.block_table, rows[:, : longest + NODES])
+    # without SGLang's host copy of the lengths: whole rows, and still no device read
+    fb.seq_lens_cpu = None
+    backend.init_forward_metadata(fb)
+    assert backend._tree_meta.plan.block_table.shape == (3, MAX_CTX) and backend._tree_meta.plan.max_context_len is None
