@@ -601,7 +601,7 @@ class TreeRunnerMixin:
         clock, stats = self.clock, self.tree_stats
         step = (clock.seconds(marks["forward"], marks["forward_end"]) if "forward" in marks else 0.0) + \
             clock.seconds(marks["sample"], marks["sample_end"])
-        drafting = 0.0
+        extend = tree = drafting = 0.0  # the head's extend, tree expansion + selection, all drafting
         if "draft" in marks:
             extend = clock.seconds(marks["draft_inputs"], marks["extend_end"])
             tree = clock.seconds(marks["kv_moved"], marks["draft_end"])
@@ -620,9 +620,7 @@ class TreeRunnerMixin:
         stats.decode_verify_seconds += decoding * (step - drafting)
         stats.decode_draft_seconds += decoding * drafting
         if self.budget is not None:
-            tree_drafting = clock.seconds(marks["kv_moved"], marks["draft_end"]) if "draft" in marks else 0.0
-            extend = clock.seconds(marks["draft_inputs"], marks["extend_end"]) if "draft" in marks else 0.0
-            self._record_budget_step(out, groups, step - tree_drafting - extend)
+            self._record_budget_step(out, groups, step - tree - extend)
 
     def _num_decoding_requests(self) -> int:
         """Requests of this step past their prompt (computed tokens from before the step)."""
