@@ -1,10 +1,12 @@
-"""README's architecture section matches the tree of files (issue #16).
+"""The architecture's file tree matches the checkout (issue #16).
 
-The section is a fenced block: a folder line (``name/``) opens a folder; the
-entries under it are indented by two more spaces and start with the names
-they describe (``a.py, b.py``, ``sub/``, shell-style patterns such as
-``*.sh``), then, after a gap of two or more spaces, a description, which may
-run on over deeper-indented continuation lines. This test holds the block to
+The tree is the fenced block under ``## Files`` in docs/architecture.md
+(README's "## Architecture" section until issue #40 moved it there). In it a
+folder line (``name/``) opens a folder; the entries under it are indented by
+two more spaces and start with the names they describe (``a.py, b.py``,
+``sub/``, shell-style patterns such as ``*.sh``), then, after a gap of two or
+more spaces, a description, which may run on over deeper-indented
+continuation lines. This test holds the block to
 the checkout: every Python module and package of the described folders is
 named in its folder's part of the block, and every name there exists.
 """
@@ -16,6 +18,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "architecture.md"
+HEADING = "\n## Files\n"  # the section of DOC that holds the block
 CONTINUATION_INDENT = 16  # description lines sit in the description column, entries well left of it
 UNDESCRIBED = ("tests",)  # folders the block sums up in words (their files are tests, not architecture)
 ENTRY = re.compile(r"\s*([\w.*/-]+(?:, [\w.*/-]+)*)(?:\s|$)")  # "a.py, sub/" before the description
@@ -23,7 +27,7 @@ FILE_TOKEN = re.compile(r"[\w*]+\.py\b")
 
 
 def architecture_block(readme: str) -> list[str]:
-    section = readme.split("\n## Architecture\n", 1)[1]
+    section = readme.split(HEADING, 1)[1]
     block = section.split("```\n", 2)[1]
     return [line for line in block.splitlines() if line.strip() and not line.strip().startswith("---")]
 
@@ -41,7 +45,7 @@ def parse(lines: list[str]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
             mentions.setdefault(current, set()).update(FILE_TOKEN.findall(line))
             continue
         match = ENTRY.match(line)
-        assert match, f"README architecture: cannot read the names of {line!r}"
+        assert match, f"docs/architecture.md: cannot read the names of {line!r}"
         entry = match.group(1).split(", ")
         while stack and stack[-1][0] >= indent:
             stack.pop()
@@ -79,31 +83,31 @@ def problems(readme: str, root: Path = ROOT) -> list[str]:
             continue
         path = root / folder
         if not path.is_dir():
-            out.append(f"{folder}/ is in the README but not in the checkout")
+            out.append(f"{folder}/ is in the architecture doc but not in the checkout")
             continue
         for name in sorted(listed):
             if not any(path.glob(name.rstrip("/"))):
-                out.append(f"{folder}/{name} is in the README but not in the checkout")
+                out.append(f"{folder}/{name} is in the architecture doc but not in the checkout")
         if folder.split("/")[0] in UNDESCRIBED:
             continue
         modules, packages = python_children(path)
         patterns = listed | mentions.get(folder, set())
-        out += [f"{folder}/{m} is not in the README's architecture" for m in modules if not covered(m, patterns)]
-        out += [f"{folder}/{p}/ is not in the README's architecture" for p in packages if f"{p}/" not in listed]
+        out += [f"{folder}/{m} is not in the architecture doc" for m in modules if not covered(m, patterns)]
+        out += [f"{folder}/{p}/ is not in the architecture doc" for p in packages if f"{p}/" not in listed]
     for top in ("kernels", "spec_plugins", "ci"):
         if top not in names:
-            out.append(f"{top}/ is not in the README's architecture")
+            out.append(f"{top}/ is not in the architecture doc")
     return out
 
 
 def test_readme_architecture_matches_the_files():
-    found = problems((ROOT / "README.md").read_text())
-    assert not found, "README architecture vs the checkout:\n" + "\n".join(found)
+    found = problems(DOC.read_text())
+    assert not found, "docs/architecture.md vs the checkout:\n" + "\n".join(found)
 
 
 SAMPLE = """# x
 
-## Architecture
+## Files
 
 ```
 kernels/               the package
@@ -130,8 +134,8 @@ def test_the_check_finds_missing_and_stale_names(tmp_path):
     (tmp_path / "kernels" / "pkg2" / "m.py").write_text("")
     (tmp_path / "kernels" / "sub" / "d.py").write_text("")
     assert problems(SAMPLE, tmp_path) == [
-        "kernels/b.py is in the README but not in the checkout",
-        "kernels/new.py is not in the README's architecture",
-        "kernels/pkg2/ is not in the README's architecture",
-        "kernels/sub/d.py is not in the README's architecture",
+        "kernels/b.py is in the architecture doc but not in the checkout",
+        "kernels/new.py is not in the architecture doc",
+        "kernels/pkg2/ is not in the architecture doc",
+        "kernels/sub/d.py is not in the architecture doc",
     ]

@@ -1,7 +1,8 @@
-"""README's vLLM command-line table, run through vLLM's own parser and config code.
+"""docs/vllm.md's command-line table, run through vLLM's own parser and config code.
 
-The table (rows after ``TABLE_MARKER`` in README.md) says, per command line a
-user types after ``vllm serve TARGET``, what it does. ``run_rows`` parses each
+The table (rows after ``TABLE_MARKER`` in docs/vllm.md; in README.md until
+issue #40) says, per command line a user types after ``vllm serve TARGET``,
+what it does. ``run_rows`` parses each
 line with vLLM's argument parser (the plugin's flags added by ``register()``),
 builds ``EngineArgs.from_cli_args(...).create_engine_config()`` and reports
 what came out; ``check_row`` compares that with the row's text. Used by
@@ -30,7 +31,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "vllm.md"
 TABLE_MARKER = "<!-- vllm command lines: checked by tests/model/test_vllm_command_lines.py -->"
 HUB_ID = "spec-plugins-test/smollm2-135m-eagle3-head"
 HUB_REVISION = "eagle1-head"  # a branch of HUB_ID holding the EAGLE-1 head
@@ -38,9 +39,9 @@ _SNAPSHOTS = {"eagle3": "3" * 40, "eagle1": "1" * 40}
 _ROW = re.compile(r"^\| `(?P<command>[^`]+)` \| (?P<does>.+) \|$")
 
 
-def readme_rows(readme: Path = README) -> list[tuple[str, str]]:
+def readme_rows(doc: Path = DOC) -> list[tuple[str, str]]:
     """(command line, what it does) per row of the table."""
-    lines = readme.read_text().splitlines()
+    lines = doc.read_text().splitlines()
     start = lines.index(TABLE_MARKER) + 3  # marker, header, separator
     rows = []
     for line in lines[start:]:
@@ -48,7 +49,7 @@ def readme_rows(readme: Path = README) -> list[tuple[str, str]]:
             break
         m = _ROW.match(line)
         if m is None:
-            raise ValueError(f"README command-line row not in the form | `command` | what it does |: {line}")
+            raise ValueError(f"docs/vllm.md command-line row not in the form | `command` | what it does |: {line}")
         rows.append((m["command"], m["does"]))
     return rows
 
@@ -66,7 +67,7 @@ def expectation(does: str) -> dict:
         return {"refused": m[1]}
     if does.startswith("vLLM's own"):
         return {"tree": None}
-    raise ValueError(f"README command-line row: cannot tell what {does!r} promises")
+    raise ValueError(f"docs/vllm.md command-line row: cannot tell what {does!r} promises")
 
 
 def make_hub_cache(root: Path) -> Path:
@@ -98,7 +99,7 @@ def argv_of(command: str, head: str) -> list[str]:
 
 
 def run_rows(target: str, inspect=None) -> list[dict]:
-    """Every README row with every head form, through vLLM's parser and
+    """Every docs/vllm.md row with every head form, through vLLM's parser and
     ``create_engine_config``. ``inspect(vllm_config)`` adds platform facts
     (the CUDA guard: attention backends of target and head)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -137,31 +138,31 @@ def run_rows(target: str, inspect=None) -> list[dict]:
 
 
 def check_row(result: dict) -> list[str]:
-    """What in ``result`` contradicts its README row (empty: it holds)."""
+    """What in ``result`` contradicts its docs/vllm.md row (empty: it holds)."""
     want = expectation(result["does"])
     where = f"`{result['command']}` (HEAD {result['head']})"
     if "refused" in want:
         if "refused" not in result:
-            return [f"{where}: README says refused, vLLM built a config: {result}"]
+            return [f"{where}: the doc says refused, vLLM built a config: {result}"]
         if want["refused"] not in result["refused"]:
             return [f"{where}: refused, but the message does not name `{want['refused']}`: {result['refused']}"]
         return []
     if "refused" in result:
-        return [f"{where}: README says it starts, it was refused: {result['refused']}"]
+        return [f"{where}: the doc says it starts, it was refused: {result['refused']}"]
     problems = []
     if want.get("tree", ...) is None:
-        return [f"{where}: README says vLLM's own chain, got a tree {result['tree']}"] if result["tree"] else []
+        return [f"{where}: the doc says vLLM's own chain, got a tree {result['tree']}"] if result["tree"] else []
     tree = result["tree"]
     if tree is None:
         return [f"{where}: no tree configured"]
     if "shape" in want:
         got = (tree.get("num_steps"), tree.get("topk"), tree.get("num_draft_tokens"))
         if got != want["shape"]:
-            problems.append(f"{where}: tree {got}, README says {want['shape']}")
+            problems.append(f"{where}: tree {got}, the doc says {want['shape']}")
         if result["num_speculative_tokens"] != want["shape"][2] - 1:
             problems.append(f"{where}: num_speculative_tokens {result['num_speculative_tokens']} != T - 1")
     if want.get("budget") and tree.get("budget") != "auto":
-        problems.append(f"{where}: README says budget auto, got {tree}")
+        problems.append(f"{where}: the doc says budget auto, got {tree}")
     at_revision = "REV" in result["command"]
     if result["head"] == "hub":
         if result["head_model"] != HUB_ID or (result["revision"] == HUB_REVISION) != at_revision:

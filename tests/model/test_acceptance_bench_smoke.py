@@ -1,6 +1,6 @@
 """The engine-free acceptance benchmark runs end to end (tiny settings) and
 reports lossless greedy rows, sampled rows (temperature 0.7, tau > 1 with the
-shipped EAGLE-3 head) and the fields the README table is built from."""
+shipped EAGLE-3 head) and the fields the tables of docs/heads.md are built from."""
 
 from __future__ import annotations
 

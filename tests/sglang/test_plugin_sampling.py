@@ -698,7 +698,7 @@ def test_relaxed_thresholds_are_refused_at_startup(ckpt, field, flag):
 
 
 def test_sglang_refuses_its_rejection_sampler_for_eagle_tree(ckpt):
-    """README: rejection sampling (SGLang's chain sampler, not ours) is refused;
+    """docs/sglang.md: rejection sampling (SGLang's chain sampler, not ours) is refused;
     SGLang's EAGLE-family resolution does it for any other algorithm name."""
     with pytest.raises(NotImplementedError, match="only supported for EAGLE / EAGLE3"):
         publish(ckpt, speculative_use_rejection_sampling=True)
