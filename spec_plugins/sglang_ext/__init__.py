@@ -19,7 +19,7 @@ without SGLang). It
    EAGLE_TREE worker (which also fills the sampling bindings SGLang leaves
    None on CPU / XPU).
 
-Usage, knobs and limits: ``config`` and the README's SGLang section.
+Usage, knobs and limits: ``config`` and docs/sglang.md.
 """
 
 from __future__ import annotations
