@@ -27,6 +27,16 @@ Hq query heads, Hkv KV heads with Hq % Hkv == 0, D head dim)::
                  PARENT_POINTER   [B, 2, T] int16: parent (-1 root), depth;
                  QLEN_ONLY        flat bool [B*T*T], row i column j.
     scale        softmax scale, default 1/sqrt(D).
+    window       keyword, int W >= 1 or None: a sliding window on logical
+                 positions (committed token j at j, tree node m at
+                 context_len + depth(m)): node i sees keys at p - W < k <= p,
+                 p = context_len + depth(i) (vLLM / FlashAttention's rule).
+    sinks        keyword, float32 [Hq] or None: per-head sink logits (gpt-oss),
+                 in the softmax denominator only.
+    soft_cap     keyword, float > 0 or None: s = cap * tanh(s / cap) (Gemma 2).
+    alibi_slopes keyword, float32 [Hq] or None: s += slope * (k - p).
+                 (``attention_reference`` gives the exact semantics;
+                 ``features_from_vllm`` maps a vLLM layer impl's fields.)
     returns      [B, T, Hq, D] in q's dtype (contiguous).
 
 Softmax and accumulation run in fp32. Neither implementation reads a device
@@ -60,8 +70,12 @@ from __future__ import annotations
 
 from .attention_reference import (  # noqa: F401  (re-exported)
     SUPPORTED_MODES,
+    AttentionFeatures,
     _check_inputs,
     _default_scale,
+    check_features,
+    features_from_vllm,
+    node_depths,
     tree_attention_reference,
     tree_mask_to_dense,
 )
@@ -75,19 +89,24 @@ from .attention_triton import (  # noqa: F401  (re-exported)
 from .api import resolve_impl
 
 
-def tree_attention(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale=None, *, impl: str = "auto"):
+def tree_attention(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale=None, *, impl: str = "auto",
+                   window: int | None = None, sinks=None, soft_cap: float | None = None, alibi_slopes=None):
     """Tree attention; ``impl`` is "torch" (reference), "triton", "cpu" (the
     host C kernel, once built) or "auto", chosen by ``api.resolve_impl`` like
     every op (``SPEC_TREE_KERNELS_IMPL`` honoured; auto: Triton on CUDA when
     importable, the host kernel on CPU when built, the reference otherwise).
-    The Triton path picks its kernel (single pass or split KV) by shape."""
+    The Triton path picks its kernel (single pass or split KV) by shape.
+    window / sinks / soft_cap / alibi_slopes: the layer's features (module
+    docstring), every implementation."""
+    features = dict(window=window, sinks=sinks, soft_cap=soft_cap, alibi_slopes=alibi_slopes)
     which = resolve_impl("attention", impl, q.device)
     if which == "triton":
-        return tree_attention_triton(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale)
+        return tree_attention_triton(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale,
+                                     **features)
     if which == "cpu":
         from .attention_plan import TreeAttentionPlan
 
         plan = TreeAttentionPlan.create(block_table, context_lens, tree_mask, mode, q.shape[1], k_cache.shape[1],
                                         impl="cpu")
-        return plan.run(q, k_cache, v_cache, scale)
-    return tree_attention_reference(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale)
+        return plan.run(q, k_cache, v_cache, scale, **features)
+    return tree_attention_reference(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale, **features)

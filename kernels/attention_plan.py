@@ -38,6 +38,25 @@ Shapes (B requests, T nodes incl. the root, Hq query / Hkv KV heads, D head dim)
 Torch path: positions a request does not own inside its used blocks, and the
 other requests' extra blocks, are masked out by the bias; their values must
 be finite (engines zero-fill their KV caches and write only model K/V there).
+
+Per-layer features (``attention_reference`` gives the semantics): ``run``
+takes ``window``, ``sinks``, ``soft_cap``, ``alibi_slopes`` by keyword, so
+one step's plan serves layers that differ in them (gpt-oss alternates
+windowed and full layers; ``features_from_vllm`` reads them off vLLM's
+impl). What a feature needs beyond the default is made on the first layer
+that uses it and kept for the step's other layers: the tree nodes' depths
+(window / ALiBi), the logical positions of the torch path's columns, one
+windowed bias per window. A run without features does exactly what it did
+before they existed (same ops, same launches, same variants).
+
+* torch: the window is a bias (-inf where p - k >= W); soft-cap and ALiBi
+  act on the scores; sinks join the softmax's denominator.
+* cpu (host kernel): the same windowed bias (the kernel also skips the
+  blocks before the first position any row sees); soft-cap, sinks and ALiBi
+  (the columns' positions) inside the kernel.
+* triton: constexpr flags pick the variant (``attention_triton``); the
+  window bounds the split plan (a windowed layer's prefix is at most W - 1
+  positions) and is a launch argument, never a device value.
 """
 
 from __future__ import annotations
@@ -48,7 +67,9 @@ import torch
 
 from . import cpu_attention
 from .api import resolve_impl
-from .attention_reference import _check_layer_inputs, _check_step_inputs, _default_scale, visible_positions
+from .attention_reference import (NO_FEATURES, AttentionFeatures, _check_layer_inputs, _check_step_inputs,
+                                  _default_scale, check_features, node_depths, softmax_with_sinks, token_positions,
+                                  visible_positions)
 from .modes import TreeMaskMode
 
 
@@ -76,8 +97,13 @@ class TreeAttentionPlan:
     max_context_len: int | None
     blocks: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    # triton: (Hq, Hkv, D, dtype) -> (launch plan, split workspace), made by the first layer
+    # triton: (Hq, Hkv, D, dtype, window) -> (launch plan, split workspace), made by the first layer
     _launches: dict = field(default_factory=dict, repr=False)
+    # made by the first layer that needs them: depths [B, T] int32; torch / cpu: the columns'
+    # (key [B, S], query [B, T]) float32 positions and the bias of each window
+    _depths: torch.Tensor | None = field(default=None, repr=False)
+    _positions: tuple | None = field(default=None, repr=False)
+    _window_bias: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, block_table: torch.Tensor, context_lens: torch.Tensor, tree_mask: torch.Tensor, mode,
@@ -102,20 +128,54 @@ class TreeAttentionPlan:
                    max_context_len)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None = None,
-            out: torch.Tensor | None = None):
+            out: torch.Tensor | None = None, *, window: int | None = None, sinks: torch.Tensor | None = None,
+            soft_cap: float | None = None, alibi_slopes: torch.Tensor | None = None):
         """One layer: q [B, T, Hq, D], the layer's K/V views -> [B, T, Hq, D].
         out: where the caller wants the result. Triton writes it there when
         it is a [B, T, Hq, D] tensor of q's dtype (any strides: e.g. a view of
         the engine's output rows), the host kernel when it is a contiguous
         float32 one; the returned tensor is out only then (else the caller
-        copies)."""
+        copies). window (int >= 1), sinks (float32 [Hq]), soft_cap (float >
+        0), alibi_slopes (float32 [Hq]): this layer's features (module
+        docstring), None for none."""
         self._check_layer(q, k_cache, v_cache)
-        if self.impl == "cpu" and cpu_attention.supports(q, k_cache, v_cache):
-            return cpu_attention.run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]),
-                                     out=out)
-        if self.impl in ("torch", "cpu"):  # (a dtype the host kernel has no code for: the torch path)
-            return _torch_run(self.blocks, self.bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]))
-        return self._triton_run(q, k_cache, v_cache, scale, out)
+        features = check_features(window, sinks, soft_cap, alibi_slopes, num_q_heads=q.shape[2], device=q.device)
+        if self.impl in ("torch", "cpu"):
+            bias = self._bias(features.window)
+            positions = self._torch_positions() if features.alibi_slopes is not None else None
+            if self.impl == "cpu" and cpu_attention.supports(q, k_cache, v_cache):
+                return cpu_attention.run(self.blocks, bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]),
+                                         out=out, soft_cap=features.soft_cap, sinks=features.sinks,
+                                         alibi_slopes=features.alibi_slopes, positions=positions)
+            # (a dtype the host kernel has no code for: the torch path)
+            return _torch_run(self.blocks, bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]), features,
+                              positions)
+        return self._triton_run(q, k_cache, v_cache, scale, out, features)
+
+    # ------------------------------------------------------------- features
+
+    def depths(self) -> torch.Tensor:
+        """[B, T] int32 node depths (made once per step, on first use)."""
+        if self._depths is None:
+            self._depths = node_depths(self.mask, self.mode, self.batch, self.nodes)
+        return self._depths
+
+    def _torch_positions(self) -> tuple:
+        """(key [B, S], query [B, T]) float32 logical positions of the torch path's columns and rows."""
+        if self._positions is None:
+            key, query = token_positions(self.context_lens, self.depths(), self.bias.shape[-1])
+            self._positions = key.float().contiguous(), query.float().contiguous()
+        return self._positions
+
+    def _bias(self, window: int | None) -> torch.Tensor:
+        """The torch path's [B, 1, 1, T, S] bias, -inf also where p - k >= window."""
+        if window is None:
+            return self.bias
+        if window not in self._window_bias:
+            key, query = self._torch_positions()
+            outside = (query[:, :, None] - key[:, None, :]) >= window  # [B, T, S]
+            self._window_bias[window] = self.bias.masked_fill(outside[:, None, None], float("-inf"))
+        return self._window_bias[window]
 
     # ------------------------------------------------------------- steps
 
@@ -127,7 +187,7 @@ class TreeAttentionPlan:
         if k_cache.shape[1] != self.block_size:
             raise ValueError(f"the cache's block size {k_cache.shape[1]} is not the plan's {self.block_size}")
 
-    def _triton_run(self, q, k_cache, v_cache, scale, out):
+    def _triton_run(self, q, k_cache, v_cache, scale, out, features: AttentionFeatures = NO_FEATURES):
         from .attention_triton import plan_tree_attention, run_planned_attention, split_workspace
 
         # the single-pass kernel, or the split kernel's merge, writes the caller's rows: no copy launch after
@@ -136,14 +196,16 @@ class TreeAttentionPlan:
         if self.batch == 0:
             return out
         hq, dim, hkv = q.shape[2], q.shape[3], k_cache.shape[2]
-        key = (hq, hkv, dim, q.dtype)
+        key = (hq, hkv, dim, q.dtype, features.window)
         if key not in self._launches:
             launch = plan_tree_attention(self.batch, self.nodes, hq, hkv, dim, self.block_size,
-                                         self.block_table.shape[1], q.device, max_context_len=self.max_context_len)
+                                         self.block_table.shape[1], q.device, max_context_len=self.max_context_len,
+                                         window=features.window)
             self._launches[key] = (launch, split_workspace(launch, q))
         launch, workspace = self._launches[key]
         run_planned_attention(launch, q, k_cache, v_cache, self.block_table, self.context_lens, self.mask, self.mode,
-                              scale, out, workspace)
+                              scale, out, workspace, features=features,
+                              depths=self.depths() if features.needs_positions else None)
         return out
 
 
@@ -160,16 +222,30 @@ def _torch_blocks_and_bias(block_table, context_lens, tree_mask, mode, nodes, bl
     return blocks, bias[:, None, None]
 
 
-def _torch_run(blocks, bias, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+def _torch_run(blocks, bias, q, k_cache, v_cache, scale: float, features: AttentionFeatures = NO_FEATURES,
+               positions: tuple | None = None) -> torch.Tensor:
+    """bias [B, 1, 1, T, S] (the window folded in); positions (key [B, S],
+    query [B, T]) float32 when ALiBi is on."""
     batch, nodes, hq, dim = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
     k_t, v = gather_blocks(k_cache, v_cache, blocks)
-    positions = k_t.shape[1] * k_t.shape[-1]  # S
+    positions_n = k_t.shape[1] * k_t.shape[-1]  # S
     rows = q.float().view(batch, nodes, hkv, group, dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     scores = scores_over_blocks(rows.reshape(batch, hkv, group * nodes, dim) * scale, k_t)
-    probs = torch.softmax(scores.view(batch, hkv, group, nodes, positions).add_(bias), dim=-1)  # bias [B, 1, 1, T, S]
-    out = values_over_blocks(probs.view(batch, hkv, group * nodes, positions), v)  # [B, Hkv, G*T, D]
+    scores = scores.view(batch, hkv, group, nodes, positions_n)
+    if not features.active:
+        probs = torch.softmax(scores.add_(bias), dim=-1)  # bias [B, 1, 1, T, S]
+    else:
+        if features.soft_cap is not None:
+            scores = torch.tanh(scores / features.soft_cap).mul_(features.soft_cap)
+        if features.alibi_slopes is not None:
+            key, query = positions
+            rel = (key[:, None, :] - query[:, :, None])[:, None, None]  # [B, 1, 1, T, S]
+            scores = scores + features.alibi_slopes.view(1, hkv, group, 1, 1) * rel
+        sink = None if features.sinks is None else features.sinks.view(1, hkv, group, 1, 1)
+        probs = softmax_with_sinks(scores.add_(bias), sink)
+    out = values_over_blocks(probs.view(batch, hkv, group * nodes, positions_n), v)  # [B, Hkv, G*T, D]
     return out.view(batch, hkv, group, nodes, dim).permute(0, 3, 1, 2, 4).reshape(batch, nodes, hq, dim).to(q.dtype)
 
 

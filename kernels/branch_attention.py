@@ -53,6 +53,18 @@ torch (and "cpu" where the host kernel does not apply)
 
 The host C kernel (``cpu_attention.run_branch``) is the vLLM adapter's own
 choice on CPU (it reads the paged cache in place too).
+
+Features (``run``'s window / sinks / soft_cap / alibi_slopes, the semantics
+of ``attention_reference``), on the draft step's logical positions: committed
+token j at j, branch entry e (level e // K + 1) at kv_len + e // K, and the
+level's queries (level L = filled // K) at kv_len + L - 1, as the vLLM
+drafter's RoPE positions (kv_lens - 1 + level). A window W then shows a
+query the context from max(0, kv_len + L - W) and the entries from (L - W) * K
+on: one bound per request and level for all its rows, so the Triton kernel
+starts its context loop (or its split chunks) there and the merge agrees
+(the effective window W - L + 1 on the context). Sinks join the final
+denominator (single pass) or the merge. All of it is launch arguments and
+constexpr flags: no device value, no variant per level.
 """
 
 from __future__ import annotations
@@ -64,10 +76,10 @@ import torch
 
 from . import triton_launch
 from .api import resolve_impl
-from .attention_reference import _default_scale
-from .attention_triton import (_QUERY_ROWS, _SPLITS, _attend_prefix, _chunk_len, _jit, _next_pow2,
-                               _online_softmax_step, _tree_attention_merge_kernel, plan_tree_attention,
-                               require_triton, split_workspace, tl, triton)
+from .attention_reference import NO_FEATURES, AttentionFeatures, _default_scale, check_features
+from .attention_triton import (_FEATURE_POINTERS, _QUERY_ROWS, _SPLITS, _add_sink, _attend_prefix, _chunk_len, _jit,
+                               _next_pow2, _online_softmax_step, _window_start, feature_launch_args, launch_merge,
+                               plan_tree_attention, require_triton, split_workspace, tl)
 from .triton_launch import triton_interpreting
 
 TORCH_CHUNK_BYTES = 64 << 20  # torch path: temporaries of one context chunk (all requests)
@@ -90,8 +102,10 @@ BRANCH_TILE = 16
 # half. None of them may make a variant of its own, or a level or a step
 # would compile one the warm-up did not launch.
 _DRAFT_UNSPECIALIZED = (_QUERY_ROWS["do_not_specialize"] + _SPLITS
-                        + ["stride_or", "stride_ok", "stride_ar", "stride_ak", "stride_ae", "stride_bt", "filled"])
-_DRAFT_UNALIGNED = _QUERY_ROWS["do_not_specialize_on_alignment"] + ["out_ptr", "anc_ptr", "bk_ptr", "bv_ptr"]
+                        + ["stride_or", "stride_ok", "stride_ar", "stride_ak", "stride_ae", "stride_bt", "filled",
+                           "window"])
+_DRAFT_UNALIGNED = (_QUERY_ROWS["do_not_specialize_on_alignment"] + ["out_ptr", "anc_ptr", "bk_ptr", "bv_ptr"]
+                    + [p for p in _FEATURE_POINTERS if p != "depth_ptr"])
 
 
 # -------------------------------------------------------------------- kernel
@@ -102,10 +116,13 @@ def _attend_branch(
     q, m_i, l_i, acc, e_end, own_start, node, row_ok, bk_row_ptr, bv_row_ptr, anc_row_ptr,
     stride_be, stride_bd, stride_ve, stride_vd, stride_ak, stride_ae, dims, dims_ok, qk_scale,
     BLOCK_E: tl.constexpr, DOT_F32: tl.constexpr,
+    e_lo=0, level=0, slope2=0.0, cap2=0.0, K: tl.constexpr = 1,
+    WINDOW: tl.constexpr = False, SOFT_CAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):  # fmt: skip
     """Branch entries e < e_end (filled, or 0 for none) of one request and KV
     head: entry e is visible to row node i iff e = own_start + i (its own) or
-    e < own_start and ancestors[i, e]."""
+    e < own_start and ancestors[i, e]; and (WINDOW) e >= e_lo. ALIBI: entry e
+    is e // K - (level - 1) positions from the query."""
     cols = tl.arange(0, BLOCK_E)
     safe_node = tl.where(row_ok, node, 0)
     for e0 in range(0, e_end, BLOCK_E):
@@ -116,10 +133,17 @@ def _attend_branch(
                       mask=row_ok[:, None] & (e_ok & older)[None, :], other=0)  # fmt: skip
         own = (e[None, :] - own_start) == node[:, None]
         allowed = tl.where(older[None, :], anc != 0, own) & e_ok[None, :]
+        if WINDOW:
+            allowed = allowed & (e >= e_lo)[None, :]
+        if ALIBI:
+            alibi = slope2[:, None] * (e // K - (level - 1)).to(tl.float32)[None, :]
+        else:
+            alibi = 0.0
         kv_ok = e_ok[:, None] & dims_ok[None, :]
         k = tl.load(bk_row_ptr + e[:, None].to(tl.int64) * stride_be + dims[None, :] * stride_bd, mask=kv_ok, other=0.0)
         v = tl.load(bv_row_ptr + e[:, None].to(tl.int64) * stride_ve + dims[None, :] * stride_vd, mask=kv_ok, other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_F32)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_F32, alibi, cap2,
+                                             SOFT_CAP, ALIBI)
     return m_i, l_i, acc
 
 
@@ -136,6 +160,8 @@ def _branch_attention_kernel(
     lse_part_ptr,  # fp32 [R, K, Hq, S + 1] (split only)
     block_table_ptr,  # [R, >= used] int block rows
     kv_lens_ptr,  # [R] int committed positions
+    sinks_ptr,  # fp32 [Hq] (SINKS, single pass; split: the merge's)
+    alibi_ptr,  # fp32 [Hq] slopes (ALIBI)
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -149,6 +175,8 @@ def _branch_attention_kernel(
     num_splits,  # S context chunks per request (split), 0 (single pass)
     min_chunk,
     num_kv_heads,
+    window,  # W (WINDOW)
+    soft_cap2,  # soft cap * log2(e) (SOFT_CAP)
     K: tl.constexpr,  # frontier nodes per request
     GROUP: tl.constexpr,
     HQ: tl.constexpr,
@@ -161,6 +189,10 @@ def _branch_attention_kernel(
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,  # write partial states for the merge (else out, directly)
     DOT_F32: tl.constexpr,
+    WINDOW: tl.constexpr,  # the module docstring's features
+    SOFT_CAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     """Grid (node_blocks, S + 1, R * Hkv), S = num_splits (0 single pass).
     Split: program (n, s, r * Hkv + h) attends context chunk s (s < S) or the
@@ -187,16 +219,34 @@ def _branch_attention_kernel(
     )
 
     ctx = tl.load(kv_lens_ptr + r).to(tl.int32)
+    level = filled // K  # this level's queries sit at ctx + level - 1
+    if WINDOW:  # one bound for every row: the context from lo, the entries from e_lo
+        lo = _window_start(ctx, window - level + 1)
+        e_lo = (level - window) * K
+    else:
+        lo = 0
+        e_lo = 0
     if SPLIT:
-        chunk = _chunk_len(ctx, num_splits, min_chunk, BLOCK_N)
-        is_branch = split == num_splits
-        p_start = tl.where(is_branch, 0, split * chunk)
-        p_end = tl.where(is_branch, 0, tl.minimum(split * chunk + chunk, ctx))
+        if WINDOW:
+            chunk = _chunk_len(ctx - lo, num_splits, min_chunk, BLOCK_N)
+            is_branch = split == num_splits
+            p_start = tl.where(is_branch, 0, lo + split * chunk)
+            p_end = tl.where(is_branch, 0, tl.minimum(lo + split * chunk + chunk, ctx))
+        else:
+            chunk = _chunk_len(ctx, num_splits, min_chunk, BLOCK_N)
+            is_branch = split == num_splits
+            p_start = tl.where(is_branch, 0, split * chunk)
+            p_end = tl.where(is_branch, 0, tl.minimum(split * chunk + chunk, ctx))
         e_end = tl.where(is_branch, filled, 0)
     else:
-        p_start = 0
+        p_start = lo
         p_end = ctx
         e_end = filled
+    qpos = tl.zeros([BLOCK_M], tl.int32)
+    slope2 = tl.zeros([BLOCK_M], tl.float32)
+    if ALIBI:
+        qpos = qpos + ctx + level - 1
+        slope2 = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -205,16 +255,18 @@ def _branch_attention_kernel(
         q, m_i, l_i, acc, p_start, p_end, block_table_ptr + r * stride_bt,
         k_ptr + kv_head.to(tl.int64) * stride_kh, v_ptr + kv_head.to(tl.int64) * stride_vh,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, dims, dims_ok, qk_scale,
-        BLOCK_SIZE, BLOCK_N, DOT_F32,
+        BLOCK_SIZE, BLOCK_N, DOT_F32, qpos, 0, slope2, soft_cap2, False, SOFT_CAP, ALIBI,
     )  # fmt: skip
     m_i, l_i, acc = _attend_branch(
         q, m_i, l_i, acc, e_end, filled - K, node, row_ok,
         bk_ptr + r * stride_br + kv_head.to(tl.int64) * stride_bh,
         bv_ptr + r * stride_wr + kv_head.to(tl.int64) * stride_wh, anc_ptr + r * stride_ar,
         stride_be, stride_bd, stride_we, stride_wd, stride_ak, stride_ae, dims, dims_ok, qk_scale,
-        BLOCK_E, DOT_F32,
+        BLOCK_E, DOT_F32, e_lo, level, slope2, soft_cap2, K, WINDOW, SOFT_CAP, ALIBI,
     )  # fmt: skip
 
+    if SINKS and not SPLIT:  # (split: the merge adds them)
+        l_i, acc = _add_sink(m_i, l_i, acc, sinks_ptr, head, row_ok)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # l_i == 0 only on padding rows and unused chunks
     if SPLIT:
         # a bool scalar & a bool vector is int32 under the interpreter: compare ints
@@ -252,7 +304,7 @@ class BranchAttentionPlan:
     max_kv_len: int
     block_size: int
     chunk_bytes: int = TORCH_CHUNK_BYTES
-    # triton: (Hq, Hkv, D, K, dtype) -> (launch plan, workspace), made by the first level
+    # triton: (Hq, Hkv, D, K, dtype, window) -> (launch plan, workspace), made by the first level
     _launches: dict = field(default_factory=dict, repr=False)
     _dummy_anc: torch.Tensor | None = field(default=None, repr=False)
 
@@ -286,17 +338,21 @@ class BranchAttentionPlan:
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, branch_k: torch.Tensor,
             branch_v: torch.Tensor, filled: int, ancestors: torch.Tensor, scale: float | None,
-            out: torch.Tensor) -> torch.Tensor:
-        """One level (module docstring: shapes); writes and returns ``out``."""
+            out: torch.Tensor, *, window: int | None = None, sinks: torch.Tensor | None = None,
+            soft_cap: float | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """One level (module docstring: shapes, and the positions window /
+        sinks / soft_cap / alibi_slopes act on); writes and returns ``out``."""
         self._check(query, k_cache, v_cache, branch_k, branch_v, filled, ancestors, out)
+        features = check_features(window, sinks, soft_cap, alibi_slopes, num_q_heads=query.shape[2],
+                                  device=query.device)
         scale = _default_scale(scale, query.shape[-1])
         if query.shape[0] == 0:
             return out
         if self.impl == "triton":
-            self._run_triton(query, k_cache, v_cache, branch_k, branch_v, filled, ancestors, scale, out)
+            self._run_triton(query, k_cache, v_cache, branch_k, branch_v, filled, ancestors, scale, out, features)
         else:
             _run_torch(query, k_cache, v_cache, self.blocks, self.kv_lens, branch_k, branch_v, filled, ancestors,
-                       scale, out, self.chunk_bytes)
+                       scale, out, self.chunk_bytes, features)
         return out
 
     # ------------------------------------------------------------- steps
@@ -326,13 +382,15 @@ class BranchAttentionPlan:
         if tuple(out.shape) != tuple(query.shape):
             raise ValueError(f"out {tuple(out.shape)} must be query's shape {tuple(query.shape)}")
 
-    def _run_triton(self, query, k_cache, v_cache, branch_k, branch_v, filled, ancestors, scale, out) -> None:
+    def _run_triton(self, query, k_cache, v_cache, branch_k, branch_v, filled, ancestors, scale, out,
+                    features: AttentionFeatures = NO_FEATURES) -> None:
         R, K, hq, dim = query.shape
         block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-        key = (hq, hkv, dim, K, query.dtype)
+        key = (hq, hkv, dim, K, query.dtype, features.window)
         if key not in self._launches:
+            # a window shows level 1 (the most context) W - 1 positions: the plan of every level
             plan = plan_tree_attention(R, K, hq, hkv, dim, block_size, self.blocks.shape[1], query.device,
-                                       max_context_len=self.max_kv_len)
+                                       max_context_len=self.max_kv_len, window=features.window)
             # the single pass reads no workspace, but its pointers are part of the variant: a fixed dummy
             dummy = torch.empty(1, dtype=torch.float32, device=query.device)
             self._launches[key] = plan, split_workspace(plan, query) or (dummy, dummy)
@@ -344,11 +402,11 @@ class BranchAttentionPlan:
         else:
             anc = ancestors.view(torch.uint8)
         launch_branch_attention(plan, workspace, query, k_cache, v_cache, branch_k, branch_v, filled, anc,
-                                self.blocks, self.kv_lens, scale, out)
+                                self.blocks, self.kv_lens, scale, out, features)
 
 
 def launch_branch_attention(plan, workspace, query, k_cache, v_cache, branch_k, branch_v, filled: int, anc,
-                            blocks, kv_lens, scale: float, out) -> None:
+                            blocks, kv_lens, scale: float, out, features: AttentionFeatures = NO_FEATURES) -> None:
     """The launches of one level (``plan`` from ``plan_tree_attention`` with
     nodes = K, ``workspace`` its ``split_workspace``); nothing reads the device."""
     R, K, hq, dim = query.shape
@@ -357,26 +415,27 @@ def launch_branch_attention(plan, workspace, query, k_cache, v_cache, branch_k, 
     splits = plan.num_splits if split else 0
     block_d = max(16, _next_pow2(dim))
     o_part, lse_part = workspace  # fp32 partial states (single pass: unread placeholders)
+    fa = feature_launch_args(features, kv_lens, kv_lens)  # (no depths: a level's rows share one position)
     triton_launch.launch(
         _branch_attention_kernel, (plan.node_blocks, splits + 1, R * hkv),
         query, k_cache, v_cache, branch_k, branch_v, anc, out, o_part, lse_part, blocks, kv_lens,
+        fa["sinks_ptr"], fa["alibi_ptr"],
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *branch_k.stride(), *branch_v.stride(), *anc.stride(),
         *out.stride(), blocks.stride(0), scale * math.log2(math.e), filled, splits, plan.min_chunk, hkv,
+        fa["window"], fa["soft_cap2"],
         K=K, GROUP=hq // hkv, HQ=hq, HEAD_DIM=dim, BLOCK_SIZE=block_size, NODES=plan.nodes_per_program,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_E=BRANCH_TILE, BLOCK_D=block_d, SPLIT=split,
         # as the verify kernels: IEEE fp32 dots for fp32, and for bf16 in the
         # interpreter (its tl.dot multiplies bf16 storage as integers)
         DOT_F32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and triton_interpreting()),
+        WINDOW=fa["WINDOW"], SOFT_CAP=fa["SOFT_CAP"], ALIBI=fa["ALIBI"], SINKS=fa["SINKS"],
     )  # fmt: skip
     if not split:
         return
-    rows = min(_next_pow2(K * hq), 256) if triton_interpreting() else 1
-    triton_launch.launch(
-        _tree_attention_merge_kernel, (triton.cdiv(K * hq, rows), R),
-        o_part, lse_part, out, kv_lens, *out.stride(), plan.num_splits, plan.min_chunk,
-        T=K, HQ=hq, HEAD_DIM=dim, BLOCK_N=plan.block_n, SPLITS_P2=max(2, _next_pow2(plan.num_splits)), ROWS=rows,
-        BLOCK_D=block_d,
-    )  # fmt: skip
+    # the chunks covered the context from max(0, kv_len + level - W): the effective window W - level + 1
+    window = fa["window"] - filled // K + 1 if fa["WINDOW"] else 0
+    launch_merge(o_part, lse_part, out, kv_lens, fa["sinks_ptr"], plan.num_splits, plan.min_chunk, window, K, hq,
+                 dim, plan.block_n, block_d, fa["WINDOW"], fa["SINKS"])
 
 
 # ---------------------------------------------------------------- torch path
@@ -394,18 +453,32 @@ def torch_chunk_blocks(R: int, K: int, hq: int, hkv: int, dim: int, block_size: 
 
 
 def _run_torch(query, k_cache, v_cache, blocks, kv_lens, branch_k, branch_v, filled, ancestors, scale, out,
-               chunk_bytes) -> None:
+               chunk_bytes, features: AttentionFeatures = NO_FEATURES) -> None:
     R, K, hq, dim = query.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
+    level = filled // K  # the level's queries at kv_len + level - 1, entry e at kv_len + e // K
     # query rows per KV head, ordered (j, g): [R, Hkv, K*G, D]
     q = (query.float() * scale).view(R, K, hkv, group, dim).permute(0, 2, 1, 3, 4).reshape(R, hkv, K * group, dim)
+
+    def per_row(t):  # [Hq] -> [1, Hkv, K*G, 1]: the value of each query row's head
+        return t.view(1, hkv, 1, group).expand(1, hkv, K, group).reshape(1, hkv, K * group, 1)
+
+    def modify(s, rel):  # soft-cap then ALiBi (rel: key position - query position, broadcast to s)
+        if features.soft_cap is not None:
+            s = torch.tanh(s / features.soft_cap).mul_(features.soft_cap)
+        if features.alibi_slopes is not None:
+            s = s + per_row(features.alibi_slopes) * rel
+        return s
 
     # the branch first: every row sees its own entry, so the running max is finite before any context chunk
     own = torch.eye(K, dtype=torch.bool, device=query.device).expand(R, K, K)
     visible = torch.cat([ancestors, own], -1)  # [R, K, filled]
+    entries = torch.arange(filled, device=query.device)
+    if features.window is not None:
+        visible = visible & (entries >= (level - features.window) * K)
     bk = branch_k[:, :filled].float().permute(0, 2, 3, 1)  # [R, Hkv, D, filled]
-    s = torch.matmul(q, bk).view(R, hkv, K, group, filled)
+    s = modify(torch.matmul(q, bk), (entries // K - (level - 1)).float()).view(R, hkv, K, group, filled)
     s.masked_fill_(~visible[:, None, :, None], float("-inf"))
     s = s.view(R, hkv, K * group, filled)
     m = s.amax(-1)  # [R, Hkv, K*G]
@@ -425,7 +498,12 @@ def _run_torch(query, k_cache, v_cache, blocks, kv_lens, branch_k, branch_v, fil
         k = k_cache[chunk].float().permute(0, 3, 4, 1, 2).reshape(R, hkv, dim, c * block_size)
         s = torch.matmul(q, k)  # [R, Hkv, K*G, c*bs]
         del k
-        beyond = (c0 * block_size + offsets[: c * block_size])[None] >= kv_lens[:, None]  # [R, c*bs]
+        pos = (c0 * block_size + offsets[: c * block_size])[None]  # [1, c*bs]
+        beyond = pos >= kv_lens[:, None]  # [R, c*bs]
+        if features.active:
+            s = modify(s, (pos - (kv_lens[:, None] + level - 1)).float()[:, None, None])
+            if features.window is not None:
+                beyond = beyond | (pos < kv_lens[:, None] + level - features.window)
         s.masked_fill_(beyond[:, None, None], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
@@ -436,5 +514,7 @@ def _run_torch(query, k_cache, v_cache, blocks, kv_lens, branch_k, branch_v, fil
         acc = acc * alpha[..., None] + torch.matmul(p, v)
         del p, v
         m = m_new
+    if features.sinks is not None:  # m is finite: every row saw its own entry
+        l = l + torch.exp(per_row(features.sinks)[..., 0] - m)
     res = (acc / l[..., None]).view(R, hkv, K, group, dim).permute(0, 2, 1, 3, 4).reshape(R, K, hq, dim)
     out.copy_(res)

@@ -91,14 +91,16 @@ def build(compiler: str | None = None) -> bool:
         return False
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.spec_tree_attention_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, i64,
-                                            i64, i64, i64, i64, ptr, i64, ptr, f32, ptr, ptr]
+                                            i64, i64, i64, i64, ptr, i64, ptr, f32, ptr, ptr,
+                                            f32, ptr, ptr, ptr, ptr]  # soft_cap, sinks, alibi, key_pos, query_pos
     lib.spec_tree_attention_f32.restype = None
     lib.spec_tree_attention_workspace.argtypes = [i64, i64, i64]
     lib.spec_tree_attention_workspace.restype = i64
     lib.spec_tree_attention_lanes.argtypes = []
     lib.spec_tree_attention_lanes.restype = i64
     lib.spec_branch_attention_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64,
-                                              i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, f32, ptr, ptr]
+                                              i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, f32, ptr, ptr,
+                                              i64, f32, ptr, ptr]  # window, soft_cap, sinks, alibi
     lib.spec_branch_attention_f32.restype = None
     lib.spec_branch_attention_workspace.argtypes = [i64, i64, i64, i64]
     lib.spec_branch_attention_workspace.restype = i64
@@ -125,12 +127,30 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     return (_lib is not None and q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32)
 
 
+def _feature_pointers(q: torch.Tensor, soft_cap, sinks, alibi_slopes, positions=None):
+    """(soft_cap float (0: none), sinks, alibi, key_pos, query_pos pointers (None: NULL)), checked."""
+    from .attention_reference import check_features
+
+    f = check_features(None, sinks, soft_cap, alibi_slopes, num_q_heads=q.shape[2], device=q.device)
+    if f.alibi_slopes is not None and positions is None:
+        raise ValueError("ALiBi on the host kernel needs the columns' positions (key_pos, query_pos)")
+    key_pos, query_pos = positions if f.alibi_slopes is not None else (None, None)
+    return (0.0 if f.soft_cap is None else f.soft_cap,
+            *(None if t is None else t.data_ptr() for t in (f.sinks, f.alibi_slopes, key_pos, query_pos)))
+
+
 def run(blocks: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        scale: float, out: torch.Tensor | None = None, *, soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+        positions: tuple | None = None) -> torch.Tensor:
     """blocks [B, nb] int64, bias [B, 1, 1, T, nb * block_size] float32 (the
-    torch plan's), q [B, T, Hq, D], K/V views [num_blocks, block_size, Hkv, D]
-    -> [B, T, Hq, D] float32 (``supports`` must hold): ``out`` when it is a
-    contiguous float32 tensor of that shape, else a new one."""
+    torch plan's, a sliding window folded in), q [B, T, Hq, D], K/V views
+    [num_blocks, block_size, Hkv, D] -> [B, T, Hq, D] float32 (``supports``
+    must hold): ``out`` when it is a contiguous float32 tensor of that shape,
+    else a new one. soft_cap (float > 0), sinks / alibi_slopes (float32 [Hq]),
+    positions (key [B, nb * block_size], query [B, T] float32 contiguous:
+    with ALiBi): ``attention_reference``'s features, None for none."""
+    features = _feature_pointers(q, soft_cap, sinks, alibi_slopes, positions)
     batch, nodes, hq, dim = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     q = q.contiguous()
@@ -144,7 +164,7 @@ def run(blocks: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, k_cache: torc
     _lib.spec_tree_attention_f32(q.data_ptr(), batch, nodes, hq, dim,
                                  k_cache.data_ptr(), *k_cache.stride(), v_cache.data_ptr(), *v_cache.stride(),
                                  k_cache.shape[0], hkv, block_size, blocks.data_ptr(), nb, bias.data_ptr(), float(scale),
-                                 out.data_ptr(), work.data_ptr())
+                                 out.data_ptr(), work.data_ptr(), *features)
     return out
 
 
@@ -167,14 +187,22 @@ def branch_supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 def run_branch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                kv_lens: torch.Tensor, branch_k: torch.Tensor, branch_v: torch.Tensor, filled: int,
-               visible: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+               visible: torch.Tensor, scale: float, out: torch.Tensor | None = None, *, window: int | None = None,
+               sinks: torch.Tensor | None = None, soft_cap: float | None = None,
+               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """One tree-drafting step (``BranchAttention``): query [R, K, Hq, D]; the
     head layer's paged K/V views (``branch_supports``); blocks [R, nb] int64
     with kv_lens [R] int64 <= nb * block_size committed positions; branch_k /
     branch_v [R, E, Hkv, D] contiguous scratch, the first ``filled`` entries
     written; visible [R, K, filled] bool (ancestors and self). Returns
     [R, K, Hq, D] float32: ``out`` when it is a contiguous float32 tensor of
-    that shape, else a new one."""
+    that shape, else a new one. window / sinks / soft_cap / alibi_slopes: the
+    head layer's features on the draft step's positions
+    (``branch_attention``'s module docstring), None for none."""
+    from .attention_reference import check_features
+
+    window = check_features(window, None, None, None, num_q_heads=query.shape[2], device=query.device).window
+    features = _feature_pointers(query, soft_cap, sinks, alibi_slopes, positions=(None, None))[:3]
     R, K, hq, dim = query.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     query = query.contiguous()
@@ -189,5 +217,5 @@ def run_branch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                                    v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                                    k_cache.shape[0], hkv, block_size, blocks.data_ptr(), nb, kv_lens.data_ptr(),
                                    branch_k.data_ptr(), branch_v.data_ptr(), entries, filled, visible.data_ptr(),
-                                   float(scale), out.data_ptr(), work.data_ptr())
+                                   float(scale), out.data_ptr(), work.data_ptr(), window or 0, *features)
     return out

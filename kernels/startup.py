@@ -136,6 +136,12 @@ class AttentionLayer:
     block_table       the engine's block table [rows, width] for this layer:
                       its width and dtype are what the kernels see (no row is read)
     impl              the tree attention ``impl`` serving passes (``api.resolve_impl``)
+    window, sinks, soft_cap, alibi_slopes   the layer's features as serving
+                      passes them to ``TreeAttentionPlan.run`` /
+                      ``BranchAttentionPlan.run`` (``attention_reference``;
+                      ``features_from_vllm`` reads them off a vLLM impl), None
+                      for none: each flag is a constexpr of its own variants,
+                      and the window bounds the split plans the layer can get
     """
 
     num_q_heads: int
@@ -143,13 +149,23 @@ class AttentionLayer:
     v_cache: torch.Tensor
     block_table: torch.Tensor
     impl: str = "auto"
+    window: int | None = None
+    sinks: torch.Tensor | None = None
+    soft_cap: float | None = None
+    alibi_slopes: torch.Tensor | None = None
+
+    @property
+    def features(self) -> dict:
+        """The keyword arguments of this layer's attention runs."""
+        return dict(window=self.window, sinks=self.sinks, soft_cap=self.soft_cap, alibi_slopes=self.alibi_slopes)
 
 
 def _attention_cases(nodes: int, layer: AttentionLayer, config: ServingConfig, device) -> list[tuple[int, int]]:
     """(batch, context bound) pairs that reach every launch plan serving can
     get for trees of ``nodes`` nodes: the plan (``plan_tree_attention``, the
     one rule) depends on them only through the split count, which takes each
-    value ceil(context bound / min_chunk) allows; a larger batch never splits
+    value ceil(context bound / min_chunk) allows (a windowed layer's bound
+    is at most W - 1: the plan applies it); a larger batch never splits
     more (more programs per chunk, a larger workspace), so the batches stop
     at the first that stays single-pass at the longest context."""
     from .attention_triton import SPLIT_MAX, plan_tree_attention
@@ -159,7 +175,7 @@ def _attention_cases(nodes: int, layer: AttentionLayer, config: ServingConfig, d
 
     def plan(batch: int, longest: int):
         return plan_tree_attention(batch, nodes, layer.num_q_heads, hkv, dim, block_size, width, device,
-                                   max_context_len=longest)
+                                   max_context_len=longest, window=layer.window)
 
     longest = config.max_context_len
     min_chunk = plan(1, longest).min_chunk
@@ -209,7 +225,7 @@ class _DummyAttention:
         layer = self.layer
         plan = TreeAttentionPlan.create(table, context_lens, mask, self.config.mode, nodes, layer.k_cache.shape[1],
                                         bound, impl="triton")
-        plan.run(q, layer.k_cache, layer.v_cache)
+        plan.run(q, layer.k_cache, layer.v_cache, **layer.features)
 
 
 def draft_levels(shape: TreeShape) -> tuple[int, int]:
@@ -246,16 +262,19 @@ class _DummyDraft:
         out = torch.empty_like(q)
         for level in range(1, min(steps, 3)):
             ancestors = torch.zeros(batch, topk, (level - 1) * topk, dtype=torch.bool, device=device)
-            plan.run(q, layer.k_cache, layer.v_cache, scratch[0], scratch[1], level * topk, ancestors, None, out)
+            plan.run(q, layer.k_cache, layer.v_cache, scratch[0], scratch[1], level * topk, ancestors, None, out,
+                     **layer.features)
 
 
-def _attention_signature(layer: AttentionLayer, config: ServingConfig) -> frozenset:
-    """The variants of one small verify attention over ``layer``: layers with
-    equal ones launch equal variants for every case (the cache views' dtype,
-    strides and alignment, the head counts and the table are all in them)."""
+def _attention_signature(layer: AttentionLayer, config: ServingConfig) -> tuple:
+    """The variants of one small verify attention over ``layer``, and its
+    window: layers with equal ones launch equal variants for every case (the
+    cache views' dtype, strides and alignment, the head counts, the table and
+    the feature flags are all in the variants; the window value, a launch
+    argument, bounds which split plans occur)."""
     with capturing() as launches:
         _DummyAttention(layer, config).run(config.tree_sizes[-1], 1, 0)
-    return frozenset(launch.variant for launch in launches)
+    return frozenset(launch.variant for launch in launches), layer.window
 
 
 def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | None = None,
@@ -269,7 +288,9 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
 
     impls: op (``TRITON_OPS``) -> the impl serving passes (default "auto");
     only ops that resolve to Triton count.
-    layers: every attention layer whose tree rows serving computes.
+    layers: every attention layer whose tree rows serving computes (with
+    its features: a windowed / sink / soft-cap / ALiBi layer warms its own
+    variants and split plans).
     kv_caches: every [num_blocks, block_size, H, D] view the KV move reads.
     draft_layers: every draft-head layer whose draft steps read the paged
     cache through ``branch_attention.BranchAttentionPlan`` (vLLM's drafter):
@@ -314,7 +335,7 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
             add(lambda n=nodes: api.move_accepted_kv(
                 kv_caches, zeros(1, n), torch.full((1, width), -1, dtype=config.accept_dtype, device=device),
                 zeros(1, dtype=config.accept_dtype), impl=impls["move_kv"]))
-    representatives: dict[frozenset, AttentionLayer] = {}
+    representatives: dict[tuple, AttentionLayer] = {}
     for layer in layers:
         if api.resolve_impl("attention", layer.impl, layer.k_cache.device) == "triton":
             representatives.setdefault(_attention_signature(layer, config), layer)

@@ -28,13 +28,25 @@ LAUNCHES = [
     ("split", "bfloat16", "PARENT_POINTER", 64, 32, 8, 128, 16, dict(num_splits=4)),  # a big tree
     ("split", "float32", "QLEN_ONLY", 24, 4, 2, 32, 1, dict(num_splits=3)),  # IEEE fp32 dots (small: slow to compile)
     ("single", "float16", "ANCESTOR_BITMASK", 160, 32, 8, 128, 16, {}),  # three mask words, node blocks
+    # issue #39: every feature flag on (window, sinks, soft-cap, ALiBi), split (+ merge) and single pass
+    ("split", "bfloat16", "ANCESTOR_BITMASK", 8, 64, 8, 64, 16, dict(num_splits=8, features=True)),  # gpt-oss-like
+    ("single", "bfloat16", "PARENT_POINTER", 16, 64, 8, 64, 16, dict(features=True)),  # gpt-oss-like, large batch
 ]
-# draft steps (branch_attention): (kernel, dtype, K, hq, hkv, D, block_size, levels, splits)
+# draft steps (branch_attention): (kernel, dtype, K, hq, hkv, D, block_size, levels, splits[, features])
 DRAFT_LAUNCHES = [
     ("split", "bfloat16", 8, 32, 8, 128, 16, 4, 16),  # an 8B head, K 8, the 4th level
     ("single", "float16", 10, 32, 8, 128, 16, 2, 1),  # 40 query rows per KV head: node blocks
     ("split", "float32", 1, 4, 2, 32, 16, 3, 3),  # a chain, IEEE fp32 dots
+    ("split", "bfloat16", 4, 32, 8, 128, 16, 3, 8, True),  # every feature flag (issue #39)
+    ("single", "bfloat16", 4, 32, 8, 128, 16, 2, 1, True),
 ]
+
+
+def feature_kwargs(hq: int) -> dict:
+    """Every feature on (the values do not matter to the compile)."""
+    import torch
+
+    return dict(window=4096, sinks=torch.zeros(hq), soft_cap=30.0, alibi_slopes=torch.ones(hq))
 
 
 def compile_launch(jitfn, grid, args, kwargs, target):
@@ -93,18 +105,24 @@ def main(argv=None) -> int:
             mask = torch.zeros(batch, 2, nodes, dtype=torch.int16)
         else:
             mask = torch.zeros(batch * nodes * nodes, dtype=torch.bool)
+        extra = dict(extra)
+        if extra.pop("features", False):
+            extra.update(feature_kwargs(hq))
         with capturing() as launches:  # held, not run
             at.tree_attention_triton(q, k_cache, k_cache.clone(), table, ctx, mask, mode, kernel=kernel, block_n=64,
                                      **extra)
-        failed += compile_held(launches, target, dict(dtype=dtype_name, mode=mode, T=nodes, arch=args.arch))
-    for kernel, dtype_name, topk, hq, hkv, dim, block_size, level, splits in DRAFT_LAUNCHES:
+        failed += compile_held(launches, target, dict(dtype=dtype_name, mode=mode, T=nodes, arch=args.arch,
+                                                      features="window" in extra))
+    for kernel, dtype_name, topk, hq, hkv, dim, block_size, level, splits, *features in DRAFT_LAUNCHES:
         with capturing() as launches:
-            hold_draft_level(kernel, getattr(torch, dtype_name), topk, hq, hkv, dim, block_size, level, splits)
-        failed += compile_held(launches, target, dict(dtype=dtype_name, K=topk, level=level, arch=args.arch))
+            hold_draft_level(kernel, getattr(torch, dtype_name), topk, hq, hkv, dim, block_size, level, splits,
+                             bool(features))
+        failed += compile_held(launches, target, dict(dtype=dtype_name, K=topk, level=level, arch=args.arch,
+                                                      features=bool(features)))
     return 1 if failed else 0
 
 
-def hold_draft_level(kernel, dtype, topk, hq, hkv, dim, block_size, level, splits) -> None:
+def hold_draft_level(kernel, dtype, topk, hq, hkv, dim, block_size, level, splits, features=False) -> None:
     """The launches of one draft level (``branch_attention.launch_branch_attention``)
     with the plan a GPU would make (block_n 64), held by the caller's ``capturing``."""
     import torch
@@ -121,9 +139,12 @@ def hold_draft_level(kernel, dtype, topk, hq, hkv, dim, block_size, level, split
     anc = torch.zeros(batch, topk, (level - 1) * topk, dtype=torch.uint8)
     dummy = torch.empty(1, dtype=torch.float32)
     workspace = at.split_workspace(plan, q) or (dummy, dummy)
+    from spec_tree_kernels.attention_reference import check_features
+
+    f = check_features(**(feature_kwargs(hq) if features else {}), num_q_heads=hq, device="cpu")
     launch_branch_attention(plan, workspace, q, k_cache, k_cache.clone(), scratch[0], scratch[1], level * topk, anc,
                             torch.zeros(batch, blocks // batch, dtype=torch.int64),
-                            torch.zeros(batch, dtype=torch.int64), dim ** -0.5, torch.empty_like(q))
+                            torch.zeros(batch, dtype=torch.int64), dim ** -0.5, torch.empty_like(q), f)
 
 
 def compile_held(launches, target, labels: dict) -> int:

@@ -21,9 +21,20 @@
  * Positions the bias masks are never read into the output either (their
  * slots may hold garbage, even NaN: 0 * NaN would poison a sum), and
  * positions past a request's last visible one are not read at all.
- *   bias   [B, T, nb * block_size] contiguous float32 (0 / -inf)
+ *   bias   [B, T, nb * block_size] contiguous float32 (0 / -inf); a sliding
+ *          window is part of it (the torch plan's windowed bias), and the
+ *          blocks before the first position any row of a request sees are
+ *          not read either
  *   out    [B, T, Hq, D] contiguous float32
  *   work   scratch of spec_tree_attention_workspace(nb, block_size, D) floats
+ *   features (spec_tree_kernels.attention_reference gives the semantics; all
+ *          off: soft_cap 0 and NULL pointers, the code path of before):
+ *   soft_cap  > 0: score = soft_cap * tanh(score / soft_cap) on scaled scores
+ *   sinks  [Hq] float32 or NULL: a logit per query head in the softmax
+ *          denominator only
+ *   alibi  [Hq] float32 slopes or NULL: score += slope * (key_pos - query_pos),
+ *          key_pos [B, nb * block_size] and query_pos [B, T] float32 logical
+ *          positions (after the cap, before the mask)
  *
  * Work split: one unit is ROWS query rows (node-major (t, g) pairs of one KV
  * head's GQA group) of one request, so each K/V vector loaded serves ROWS
@@ -133,6 +144,46 @@ static int64_t visible_span(const float *bias_b, int64_t T, int64_t S) {
     return span;
 }
 
+/* The first position any row of a request sees (span when none): a window's start. */
+static int64_t visible_first(const float *bias_b, int64_t T, int64_t S, int64_t span) {
+    int64_t first = span;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *bi = bias_b + t * S;
+        int64_t s = 0;
+        while (s < first && bi[s] == -INFINITY) ++s;
+        first = s;
+    }
+    return first;
+}
+
+/* tanh, LANES at a time, relative error about 4e-7: an odd polynomial (Taylor to x^9) for |x| < 0.25,
+ * else (1 - e) / (1 + e) with e = exp(-2|x|) (no cancellation there: e <= 0.61); the sign put back. */
+static inline vec tanh_vec(vec x) {
+    const ivec sign = (ivec)x & ((ivec){0} + INT32_MIN);  /* (splat(-0.0f) would be +0.0f: 0 + -0 = +0) */
+    const vec ax = (vec)((ivec)x & ~sign);
+    const vec e = exp_nonpositive(-2.0f * ax);
+    const vec big = (1.0f - e) / (1.0f + e);
+    const vec x2 = ax * ax;
+    vec poly = splat(62.0f / 2835.0f);
+    poly = poly * x2 - 17.0f / 315.0f;
+    poly = poly * x2 + 2.0f / 15.0f;
+    poly = poly * x2 - 1.0f / 3.0f;
+    const vec small = ax + ax * x2 * poly;
+    const ivec use_small = ax < splat(0.25f);
+    return (vec)((((ivec)small & use_small) | ((ivec)big & ~use_small)) | sign);
+}
+
+/* score = cap * tanh(score / cap) over [from, to) of `rows` rows (row stride S). */
+static void soft_cap_rows(float *scores, int rows, int64_t S, int64_t from, int64_t to, float cap) {
+    const float inv = 1.0f / cap;
+    for (int r = 0; r < rows; ++r) {
+        float *sc = scores + r * S;
+        int64_t s = from;
+        for (; s + LANES <= to; s += LANES) store(sc + s, cap * tanh_vec(load(sc + s) * inv));
+        for (; s < to; ++s) sc[s] = cap * tanhf(sc[s] * inv);
+    }
+}
+
 /* scores[r, s] = qs[r] . K[s] for ROWS rows over the first `span` positions
  * (rounded up to LANES); K transposed per block (k_stok == 1), block_size % LANES == 0. */
 static void scores_vectorized(const float *qs, int64_t D, const float *k, int64_t k_sblk, int64_t k_shead,
@@ -178,8 +229,9 @@ static void scores_generic(const float *qs, int64_t D, const float *k, int64_t k
 }
 
 /* scores -> unnormalized probabilities in place over [0, padded); returns 1 / sum.
- * A masked position is -inf whatever its slot held (NaN included), so exp gives 0. */
-static float softmax_row(float *sc, const float *bi, int64_t padded) {
+ * A masked position is -inf whatever its slot held (NaN included), so exp gives 0.
+ * sink (NULL: none): one more logit, in the max and the sum only. */
+static float softmax_row(float *sc, const float *bi, int64_t padded, const float *sink) {
     const vec neg_inf = splat(-INFINITY);
     vec m = neg_inf;
     for (int64_t s = 0; s < padded; s += LANES) {
@@ -189,26 +241,31 @@ static float softmax_row(float *sc, const float *bi, int64_t padded) {
         store(sc + s, x);
         m = (vec)(((ivec)x & (x > m)) | ((ivec)m & ~(x > m)));
     }
-    const float row_max = hmax(m);
+    float row_max = hmax(m);
+    if (sink && *sink > row_max) row_max = *sink;
     vec sum = {0};
     for (int64_t s = 0; s < padded; s += LANES) {
         const vec e = exp_nonpositive(load(sc + s) - row_max);
         store(sc + s, e);
         sum += e;
     }
-    return 1.0f / hsum(sum);
+    float total = hsum(sum);
+    if (sink) total += expf(*sink - row_max);
+    return 1.0f / total;
 }
 
-static float softmax_row_generic(float *sc, const float *bi, int64_t span) {
+static float softmax_row_generic(float *sc, const float *bi, int64_t span, const float *sink) {
     float m = -INFINITY, sum = 0.0f;
     for (int64_t s = 0; s < span; ++s) {
         sc[s] = bi[s] == -INFINITY ? -INFINITY : sc[s] + bi[s];
         m = sc[s] > m ? sc[s] : m;
     }
+    if (sink && *sink > m) m = *sink;
     for (int64_t s = 0; s < span; ++s) {
         sc[s] = sc[s] == -INFINITY ? 0.0f : expf(sc[s] - m);
         sum += sc[s];
     }
+    if (sink) sum += expf(*sink - m);
     return 1.0f / sum;
 }
 
@@ -311,7 +368,8 @@ void spec_tree_attention_f32(const float *q, int64_t B, int64_t T, int64_t Hq, i
                              const float *k, int64_t k_sblk, int64_t k_stok, int64_t k_shead, int64_t k_sdim,
                              const float *v, int64_t v_sblk, int64_t v_stok, int64_t v_shead, int64_t v_sdim,
                              int64_t num_blocks, int64_t Hkv, int64_t block_size, const int64_t *blocks, int64_t nb,
-                             const float *bias, float scale, float *out, float *work) {
+                             const float *bias, float scale, float *out, float *work, float soft_cap,
+                             const float *sinks, const float *alibi, const float *key_pos, const float *query_pos) {
     const int64_t S = nb * block_size;
     const int64_t group = Hq / Hkv;
     const int64_t rows = T * group;  /* per (request, KV head): row m is node m / group, head kh * group + m % group */
@@ -338,23 +396,39 @@ void spec_tree_attention_f32(const float *q, int64_t B, int64_t T, int64_t Hq, i
                 if (out_rows[r]) memset(out_rows[r], 0, sizeof(float) * D);
             continue;
         }
+        /* whole blocks before what any row sees (a window) are skipped: 0 without one. A multiple of
+         * block_size, so of LANES on the vectorized path: the same lanes hold the same positions */
+        const int64_t start = visible_first(bias + b * T * S, T, S, span) / block_size * block_size;
+        const int64_t *blocks_b = blocks + b * nb + start / block_size;
         if (vector_rows)
-            scores_vectorized(qs, D, k, k_sblk, k_shead, k_sdim, kh, blocks + b * nb, num_blocks, block_size, span,
-                              S, scores);
+            scores_vectorized(qs, D, k, k_sblk, k_shead, k_sdim, kh, blocks_b, num_blocks, block_size, span - start,
+                              S, scores + start);
         else
-            scores_generic(qs, D, k, k_sblk, k_stok, k_shead, k_sdim, kh, blocks + b * nb, num_blocks, block_size,
-                           span, S, scores);
+            scores_generic(qs, D, k, k_sblk, k_stok, k_shead, k_sdim, kh, blocks_b, num_blocks, block_size,
+                           span - start, S, scores + start);
+        if (soft_cap > 0.0f) soft_cap_rows(scores, ROWS, S, start, span, soft_cap);
+        const float *row_sink[ROWS];
+        for (int r = 0; r < ROWS; ++r) {
+            const int64_t m = m0 + r < rows ? m0 + r : 0, head = kh * group + m % group;
+            row_sink[r] = sinks ? sinks + head : NULL;
+            if (alibi) {
+                const float slope = alibi[head], qp = query_pos[b * T + m / group];
+                const float *kp = key_pos + b * S;
+                for (int64_t s = start; s < span; ++s) scores[r * S + s] += slope * (kp[s] - qp);
+            }
+        }
         float inv[ROWS];
         for (int r = 0; r < ROWS; ++r)
-            inv[r] = vector_rows ? softmax_row(scores + r * S, bias_rows[r], padded)
-                                 : softmax_row_generic(scores + r * S, bias_rows[r], span);
+            inv[r] = vector_rows ? softmax_row(scores + r * S + start, bias_rows[r] + start, padded - start, row_sink[r])
+                                 : softmax_row_generic(scores + r * S + start, bias_rows[r] + start, span - start,
+                                                       row_sink[r]);
         if (vector_rows) {
             const struct extra_kv none = {0};
-            values_rows(scores, S, inv, v, v_sblk, v_stok, v_shead, kh, blocks + b * nb, num_blocks, block_size, span,
-                        none, D, out_rows);
+            values_rows(scores + start, S, inv, v, v_sblk, v_stok, v_shead, kh, blocks_b, num_blocks, block_size,
+                        span - start, none, D, out_rows);
         } else {
-            values_generic(scores, S, inv, v, v_sblk, v_stok, v_shead, v_sdim, kh, blocks + b * nb, num_blocks,
-                           block_size, span, D, out_rows);
+            values_generic(scores + start, S, inv, v, v_sblk, v_stok, v_shead, v_sdim, kh, blocks_b, num_blocks,
+                           block_size, span - start, D, out_rows);
         }
     }
 }
@@ -376,6 +450,12 @@ void spec_tree_attention_f32(const float *q, int64_t B, int64_t T, int64_t Hq, i
  *   visible  [R, K, filled] uint8 (bool)
  *   out      [R, K, Hq, D] contiguous float32
  *   work     spec_branch_attention_workspace(nb, block_size, E, D) floats
+ *   window   > 0: a sliding window W on the draft step's positions (committed
+ *            j at j, entry e at kv_len + e / K, the level L = filled / K's
+ *            queries at kv_len + L - 1): the context from max(0, kv_len + L -
+ *            W) (whole blocks before it not read), entries from (L - W) * K;
+ *            0: none. soft_cap, sinks, alibi as spec_tree_attention_f32's
+ *            (ALiBi on those positions).
  */
 
 int64_t spec_branch_attention_workspace(int64_t nb, int64_t block_size, int64_t E, int64_t D) {
@@ -388,7 +468,8 @@ void spec_branch_attention_f32(const float *q, int64_t R, int64_t K, int64_t Hq,
                                const float *v, int64_t v_sblk, int64_t v_stok, int64_t v_shead,
                                int64_t num_blocks, int64_t Hkv, int64_t block_size, const int64_t *blocks, int64_t nb,
                                const int64_t *kv_lens, const float *bk, const float *bv, int64_t E, int64_t filled,
-                               const uint8_t *visible, float scale, float *out, float *work) {
+                               const uint8_t *visible, float scale, float *out, float *work, int64_t window,
+                               float soft_cap, const float *sinks, const float *alibi) {
     const int64_t group = Hq / Hkv;
     const int64_t rows = K * group;
     const int64_t tiles = (rows + ROWS - 1) / ROWS;
@@ -407,28 +488,51 @@ void spec_branch_attention_f32(const float *q, int64_t R, int64_t K, int64_t Hq,
         const int64_t ctx = kv_lens[b];
         const int64_t ctx_pad = (ctx + LANES - 1) / LANES * LANES;
         const int64_t total = ctx_pad + (filled + LANES - 1) / LANES * LANES;
-        scores_vectorized(qs, D, k, k_sblk, k_shead, k_sdim, kh, blocks + b * nb, num_blocks, block_size, ctx, S,
-                          scores);
+        const int64_t level = filled / K;
+        int64_t lo = 0, e_lo = 0;  /* the window: first context position and first entry seen */
+        if (window > 0) {
+            lo = ctx + level - window;
+            lo = lo < 0 ? 0 : lo > ctx ? ctx : lo;
+            e_lo = (level - window) * K;
+        }
+        const int64_t start = lo / block_size * block_size;  /* 0 without a window; a multiple of LANES */
+        const int64_t *blocks_b = blocks + b * nb + start / block_size;
+        scores_vectorized(qs, D, k, k_sblk, k_shead, k_sdim, kh, blocks_b, num_blocks, block_size, ctx - start, S,
+                          scores + start);
         const float *bk_b = bk + b * E * Hkv * D + kh * D;
+        const float *row_sink[ROWS];
         for (int r = 0; r < ROWS; ++r) {
-            const int64_t node = m0 + r < rows ? (m0 + r) / group : 0;
+            const int64_t m = m0 + r < rows ? m0 + r : 0, node = m / group, head = kh * group + m % group;
             const uint8_t *vis = visible + (b * K + node) * filled;
             float *bi = bias + r * S;
             for (int64_t s = 0; s < ctx_pad; s += LANES) store(bi + s, neg_inf);
             memset(bi, 0, sizeof(float) * ctx);
+            for (int64_t s = 0; s < lo; ++s) bi[s] = -INFINITY;
             for (int64_t s = ctx_pad; s < total; s += LANES) store(bi + s, neg_inf);
             for (int64_t e = 0; e < filled; ++e) {
-                if (vis[e]) bi[ctx_pad + e] = 0.0f;
+                if (vis[e] && e >= e_lo) bi[ctx_pad + e] = 0.0f;
                 vec dot = {0};
                 for (int64_t d = 0; d < D; d += LANES)
                     dot += load(qs + r * D + d) * load(bk_b + e * Hkv * D + d);
                 scores[r * S + ctx_pad + e] = hsum(dot);
             }
+            row_sink[r] = sinks ? sinks + head : NULL;
+            float *sc = scores + r * S;
+            if (soft_cap > 0.0f) {
+                soft_cap_rows(sc, 1, S, start, ctx, soft_cap);
+                soft_cap_rows(sc + ctx_pad, 1, S, 0, filled, soft_cap);
+            }
+            if (alibi) {  /* key position - query position: j - (ctx + level - 1), e / K - (level - 1) */
+                const float slope = alibi[head];
+                for (int64_t s = start; s < ctx; ++s) sc[s] += slope * (float)(s - (ctx + level - 1));
+                for (int64_t e = 0; e < filled; ++e) sc[ctx_pad + e] += slope * (float)(e / K - (level - 1));
+            }
         }
         float inv[ROWS];
-        for (int r = 0; r < ROWS; ++r) inv[r] = softmax_row(scores + r * S, bias + r * S, total);
-        const struct extra_kv branch = {bv + b * E * Hkv * D, filled, Hkv * D, D, ctx_pad};
-        values_rows(scores, S, inv, v, v_sblk, v_stok, v_shead, kh, blocks + b * nb, num_blocks, block_size, ctx,
-                    branch, D, out_rows);
+        for (int r = 0; r < ROWS; ++r)
+            inv[r] = softmax_row(scores + r * S + start, bias + r * S + start, total - start, row_sink[r]);
+        const struct extra_kv branch = {bv + b * E * Hkv * D, filled, Hkv * D, D, ctx_pad - start};
+        values_rows(scores + start, S, inv, v, v_sblk, v_stok, v_shead, kh, blocks_b, num_blocks, block_size,
+                    ctx - start, branch, D, out_rows);
     }
 }
