@@ -580,9 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # every later argument is vLLM's, its --help included
-        from spec_plugins.serve import main as serve
+        from spec_plugins.serve import main as vllm_serve
 
-        return serve(argv[1:])
+        return vllm_serve(argv[1:])
     args = build_parser().parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # engine logs drown the progress lines
     # in-process engines, one per configuration (--interleave: one engine-core process each, set there)
