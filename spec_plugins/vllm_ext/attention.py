@@ -135,8 +135,11 @@ class BranchAttention:
         """R * K: the level's query rows (set by ``ancestors``)."""
         return self.ancestors.shape[0] * self.ancestors.shape[1]
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor):
-        """query [R*K, Hq, D], key/value [R*K, Hkv, D] (RoPE applied) -> output [R*K, Hq, D]."""
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
+               features: dict | None = None):
+        """query [R*K, Hq, D], key/value [R*K, Hkv, D] (RoPE applied) -> output [R*K, Hq, D];
+        features: the layer's window / sinks (``TreeRowsMixin.tree_features``)."""
+        features = features or {}
         R, K = self.ancestors.shape[:2]
         hkv, dim = self.branch_k.shape[2:]
         hq = query.shape[-2]
@@ -152,12 +155,12 @@ class BranchAttention:
                                 -1)
             res = cpu_attention.run_branch(query.view(R, K, hq, dim), self.k_cache, self.v_cache, self.blocks,
                                            self.kv_lens, self.branch_k, self.branch_v, self.filled, visible,
-                                           self.scale, out=dst)
+                                           self.scale, out=dst, **features)
             if res is not dst:
                 dst.copy_(res)
             return output
         self.plan.run(query.view(R, K, hq, dim), self.k_cache, self.v_cache, self.branch_k, self.branch_v,
-                      self.filled, self.ancestors, self.scale, out=dst)
+                      self.filled, self.ancestors, self.scale, out=dst, **features)
         return output
 
 
@@ -178,8 +181,10 @@ def flash_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def compute_tree_rows(trees: VerifyTrees, query, output, k_view, v_view, block_table, num_heads: int,
-                      head_size: int, scale: float, impl: str) -> None:
-    """Write the published trees' rows of ``output`` ([N, Hq*D] or [N, Hq, D])."""
+                      head_size: int, scale: float, impl: str, features: dict | None = None) -> None:
+    """Write the published trees' rows of ``output`` ([N, Hq*D] or [N, Hq, D]);
+    features: the layer's window / sinks (``TreeAttentionPlan.run`` keywords)."""
+    features = features or {}
     out = output.view(output.shape[0], num_heads, head_size)
     q_all = query.view(query.shape[0], num_heads, head_size)
     for nodes in trees.groups:
@@ -188,11 +193,12 @@ def compute_tree_rows(trees: VerifyTrees, query, output, k_view, v_view, block_t
         if first is not None:  # one range of rows: read and write views, no gather or scatter
             span = slice(first, first + rows.numel())
             dst = out[span].view(-1, nodes, num_heads, head_size)
-            res = plan.run(q_all[span].view(-1, nodes, num_heads, head_size), k_view, v_view, scale, out=dst)
+            res = plan.run(q_all[span].view(-1, nodes, num_heads, head_size), k_view, v_view, scale, out=dst,
+                           **features)
             if res is not dst:
                 dst.copy_(res)
             continue
-        res = plan.run(q_all[rows], k_view, v_view, scale)  # q_all[rows]: [B_T, T, Hq, D]
+        res = plan.run(q_all[rows], k_view, v_view, scale, **features)  # q_all[rows]: [B_T, T, Hq, D]
         out[rows.flatten()] = res.reshape(-1, num_heads, head_size).to(out.dtype)
 
 
@@ -201,6 +207,9 @@ class TreeRowsMixin:
     (alone when they are the whole batch), draft steps through ``BranchAttention``."""
 
     tree_impl = "torch"  # spec_tree_kernels.tree_attention implementation
+    # the layer's sliding window / sinks as the tree kernels take them, set at startup
+    # (startup_checks.tree_features); none until then
+    tree_features: dict = {}
 
     def kv_views(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -209,7 +218,7 @@ class TreeRowsMixin:
                 output_block_scale=None):
         if isinstance(attn_metadata, BranchAttention):  # a tree-drafting step (draft layer only)
             rows = attn_metadata.num_rows  # rows past them pad the batch to a CUDA-graph size: not computed
-            attn_metadata.attend(query[:rows], key[:rows], value[:rows], output[:rows])
+            attn_metadata.attend(query[:rows], key[:rows], value[:rows], output[:rows], self.tree_features)
             return output
         trees = _published
         tree_step = attn_metadata is not None and trees is not None and self.attn_type == AttentionType.DECODER
@@ -219,7 +228,7 @@ class TreeRowsMixin:
         if tree_step:
             k_view, v_view = self.kv_views(layer, kv_cache)
             compute_tree_rows(trees, query, output, k_view, v_view, attn_metadata.block_table, self.num_heads,
-                              self.head_size, self.scale, impl=self.tree_impl)
+                              self.head_size, self.scale, impl=self.tree_impl, features=self.tree_features)
         return output
 
 

@@ -112,8 +112,6 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.config:SpeculativeConfig", "num_speculative_tokens", "field", why="must stay T - 1", stage=REG),
     Seam("vllm.config:SpeculativeConfig", "draft_model_config", "field", why="the head folder", stage=REG),
     Seam("vllm.config:SpeculativeConfig", "method", "field", why="eagle vs eagle3", stage=REG),
-    Seam("vllm.config:ModelConfig", "get_sliding_window", "method", "", "sliding-window targets are refused",
-         stage=REG),
     Seam("vllm.config:ModelConfig", "uses_mrope", "attr", why="M-RoPE targets are refused", stage=REG),
     Seam("vllm.config:ModelConfig", "logits_processors", "field", why="refused with trees", stage=REG),
     Seam("vllm.config:ModelConfig", "logprobs_mode", "field", why="only raw_logprobs", stage=REG),
@@ -232,6 +230,9 @@ SEAMS: tuple[Seam, ...] = (
          "output, output_scale, output_block_scale", "TreeRowsMixin.forward wraps it", platform="cuda"),
     *(Seam(f"{FLASH}:FlashAttentionImpl", a, "attr", why="tree rows' geometry", platform="cuda")
       for a in ("num_heads", "head_size", "scale", "attn_type")),
+    *(Seam(f"{FLASH}:FlashAttentionImpl", a, "attr", why="the layer's attention variant: passed to the tree kernels "
+           "or refused (startup_checks)", platform="cuda")
+      for a in ("sliding_window", "sinks", "logits_soft_cap", "alibi_slopes")),
     Seam(f"{FLASH}:FlashAttentionMetadata", "block_table", "field", why="tree rows read the paged cache",
          platform="cuda"),
     Seam(f"{FLASH}:FlashAttentionBackend", "get_impl_cls", "method", "", "overridden: the tree impl",
@@ -240,6 +241,9 @@ SEAMS: tuple[Seam, ...] = (
          "attn_metadata, output, output_scale, output_block_scale", "TreeRowsMixin.forward wraps it", platform="cpu"),
     *(Seam(f"{CPU_ATTN}:CPUAttentionBackendImpl", a, "attr", why="tree rows' geometry", platform="cpu")
       for a in ("num_heads", "head_size", "scale", "attn_type")),
+    *(Seam(f"{CPU_ATTN}:CPUAttentionBackendImpl", a, "attr", why="the layer's attention variant: passed to the tree "
+           "kernels or refused (startup_checks)", platform="cpu")
+      for a in ("sliding_window", "sinks", "logits_soft_cap", "alibi_slopes")),
     Seam(f"{CPU_ATTN}:CPUAttentionMetadata", "block_table", "field", why="tree rows read the paged cache",
          platform="cpu"),
     Seam(f"{CPU_ATTN}:CPUAttentionBackend", "get_impl_cls", "method", "", "overridden: the tree impl",

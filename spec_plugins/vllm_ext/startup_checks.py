@@ -5,10 +5,12 @@ cache is allocated, so it is checked there: a configuration the tree rows
 cannot serve stops the engine before it takes a request, instead of killing
 the first request and everything in flight with it.
 
-* Every target attention layer is one the tree rows compute exactly: no ALiBi
-  slopes, logits soft-cap, attention sinks, sliding window or chunked local
-  attention (the tree rows are a plain scaled softmax), and a KV cache in the
-  model dtype (``tree_attention`` requires cache dtype == query dtype).
+* Every target attention layer is one the tree rows compute exactly: its
+  sliding window and attention sinks are read off vLLM's impl into
+  ``impl.tree_features`` (what the tree kernels take per layer); the variants
+  without an end-to-end test (``REFUSED_LAYER_FEATURES``) are refused, and
+  so is a KV cache in another dtype than the model's (``tree_attention``
+  requires cache dtype == query dtype).
 * The K layout of every cache the runner or the tree rows read is resolved
   now: on CPU that runs the probe through vLLM's own cache-write op, which
   refuses a tiled layout (AMX with bf16).
@@ -37,7 +39,9 @@ def check_at_startup(runner, target_layers, draft_layers) -> None:
             kv_views(layer, layer_kv(layer))  # as the tree rows will read it (CPU: probes the K layout)
         runner.kv_views(layer_kv(layer))  # as the accepted-path KV move will read it
     for name in draft_layers:
-        runner.kv_views(layer_kv(ctx[name]))  # as the proposer reads the head's cache
+        layer = ctx[name]
+        layer.impl.tree_features = tree_features(name, layer)  # the head's draft steps pass them too
+        runner.kv_views(layer_kv(layer))  # as the proposer reads the head's cache
     check_draft_rows_fit(runner)
 
 
@@ -65,28 +69,45 @@ def layer_kv(layer) -> torch.Tensor:
     return kv[0] if isinstance(kv, list) else kv
 
 
+# Attention variants the tree kernels compute (spec_tree_kernels.attention_reference) but tree mode does
+# not serve yet: no end-to-end token-identity test of a model that uses them (issue #39's rule).
+REFUSED_LAYER_FEATURES = {
+    "alibi_slopes": ("ALiBi slopes (alibi_slopes)", lambda v: v is not None),
+    "logits_soft_cap": ("logits soft-cap (logits_soft_cap={})", lambda v: v not in (None, 0, 0.0)),
+}
+
+
 def unsupported_attention(layer) -> list[str]:
-    """What in this attention layer the tree rows would not compute."""
+    """What in this attention layer tree mode does not serve."""
     impl = layer.impl
-    found = []
-    if getattr(impl, "alibi_slopes", None) is not None:
-        found.append("ALiBi slopes (alibi_slopes)")
-    if getattr(impl, "logits_soft_cap", None) not in (None, 0, 0.0):
-        found.append(f"logits soft-cap (logits_soft_cap={impl.logits_soft_cap})")
-    if getattr(impl, "sinks", None) is not None:
-        found.append("attention sinks (sinks)")
-    if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
-        found.append(f"sliding window (sliding_window={impl.sliding_window})")
+    found = [what.format(getattr(impl, attr)) for attr, (what, used) in REFUSED_LAYER_FEATURES.items()
+             if used(getattr(impl, attr, None))]
     if type(layer).__name__ == "ChunkedLocalAttention" or getattr(layer, "attention_chunk_size", None):
         found.append(f"chunked local attention (attention_chunk_size={getattr(layer, 'attention_chunk_size', None)})")
     return found
 
 
+def tree_features(name: str, layer) -> dict:
+    """The layer's sliding window and sinks as the tree kernels take them
+    (``TreeAttentionPlan.run`` / ``BranchAttentionPlan.run`` keywords),
+    read once off vLLM's impl after the weights are loaded (sinks are weights)."""
+    from spec_tree_kernels.attention_reference import features_from_vllm
+
+    impl = layer.impl
+    try:
+        features = features_from_vllm(getattr(impl, "sliding_window", None), getattr(impl, "sinks", None),
+                                      device=layer_kv(layer).device)
+    except ValueError as e:
+        raise TreeConfigError(f"spec_tree: attention layer {name}: {e}") from None
+    return {key: value for key, value in features.items() if value is not None}
+
+
 def check_attention_layer(name: str, layer, model_dtype: torch.dtype) -> None:
     found = unsupported_attention(layer)
     if found:
-        raise TreeConfigError(f"spec_tree: attention layer {name} uses {', '.join(found)}; the tree rows compute a "
-                              "plain scaled softmax, so tree verification would be wrong")
+        raise TreeConfigError(f"spec_tree: attention layer {name} uses {', '.join(found)}, which tree mode does not "
+                              "serve yet (no end-to-end test of a model with it)")
+    layer.impl.tree_features = tree_features(name, layer)
     cache_dtype = str(getattr(layer.impl, "kv_cache_dtype", "auto"))
     kv = layer_kv(layer)
     if cache_dtype not in ("auto", str(model_dtype).removeprefix("torch.")) or kv.dtype != model_dtype:
@@ -122,7 +143,8 @@ def warm_tree_kernels(runner, target_layers, draft_layers):
         layer = ctx[name]
         k_view, v_view = layer.impl.kv_views(layer, layer_kv(layer))
         block_table = runner.input_batch.block_table[group_of[name]].block_table.gpu  # what attn_metadata carries
-        layers.append(AttentionLayer(layer.impl.num_heads, k_view, v_view, block_table, layer.impl.tree_impl))
+        layers.append(AttentionLayer(layer.impl.num_heads, k_view, v_view, block_table, layer.impl.tree_impl,
+                                     **layer.impl.tree_features))
     kv_caches = [view for name in group_of for view in runner.kv_views(layer_kv(ctx[name]))]  # as the KV move reads
     # the head's draft steps (BranchAttention) read its cache through a kernel of their own
     return warm_up(config, runner.device, impls=dict.fromkeys(TRITON_OPS, runner.tree_impl), layers=layers,

@@ -115,10 +115,8 @@ def cpu_impl(**kw):
 @pytest.mark.parametrize("kw,needle", [
     ({"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}, "ALiBi"),
     ({"logits_soft_cap": 30.0}, "soft-cap"),
-    ({"sinks": torch.zeros(4)}, "sinks"),
-    ({"sliding_window": 128}, "sliding window"),
 ])
-def test_startup_check_refuses_attention_layers_the_tree_rows_do_not_compute(kw, needle):
+def test_startup_check_refuses_attention_layers_tree_mode_does_not_serve(kw, needle):
     """The exact check at startup reads vLLM's real attention impl objects, for any model."""
     from types import SimpleNamespace
 
@@ -132,6 +130,26 @@ def test_startup_check_refuses_attention_layers_the_tree_rows_do_not_compute(kw,
                               torch.float32)
     with pytest.raises(tc.TreeConfigError, match="KV cache of torch.bfloat16"):
         check_attention_layer("l", SimpleNamespace(impl=cpu_impl(), kv_cache=[cache.bfloat16()]), torch.float32)
+
+
+def test_startup_check_hands_windows_and_sinks_to_the_tree_rows():
+    """A windowed layer with sinks (gpt-oss's) passes the check, which leaves
+    the window and a float32 copy of the sinks on the impl for the tree
+    kernels; a plain layer gets none (its tree rows run as before)."""
+    from types import SimpleNamespace
+
+    from spec_plugins.vllm_ext.startup_checks import check_attention_layer
+
+    cache = torch.zeros(2, 2, 16, 128)
+    sinks = torch.arange(4, dtype=torch.bfloat16)
+    windowed = SimpleNamespace(impl=cpu_impl(sliding_window=128, sinks=sinks), kv_cache=[cache])
+    check_attention_layer("model.layers.0.self_attn.attn", windowed, torch.float32)
+    features = windowed.impl.tree_features
+    assert features["window"] == 128 and features["sinks"].dtype == torch.float32
+    assert torch.equal(features["sinks"], sinks.float()) and set(features) == {"window", "sinks"}
+    plain = SimpleNamespace(impl=cpu_impl(), kv_cache=[cache])
+    check_attention_layer("model.layers.1.self_attn.attn", plain, torch.float32)
+    assert plain.impl.tree_features == {}
 
 
 # --------------------------------------------------- finding 8: string cudagraph_mode
