@@ -416,6 +416,10 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     check_attention_options(model)
     if getattr(model, "uses_mrope", False):
         raise TreeConfigError(f"model {model.model}: M-RoPE targets are not supported with spec_tree")
+    if getattr(model, "use_mla", False):
+        raise TreeConfigError(f"model {model.model} uses multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2), "
+                              "which spec_tree does not serve yet (no tree rows for MLA layers, no KV move for the "
+                              "latent cache)")
     if getattr(model, "logits_processors", None):
         raise TreeConfigError("logits_processors (engine argument) are not supported with spec_tree (vLLM refuses "
                               "them with any speculative_config); install them through the vllm.logits_processors "
