@@ -416,6 +416,10 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     check_attention_options(model)
     if getattr(model, "uses_mrope", False):
         raise TreeConfigError(f"model {model.model}: M-RoPE targets are not supported with spec_tree")
+    if getattr(model, "rswa_window", None) is not None:
+        raise TreeConfigError(f"model {model.model} uses restricted sliding-window attention (rswa_window="
+                              f"{model.rswa_window}), whose cache evicts blocks inside the context: spec_tree does not "
+                              "serve it")
     if getattr(model, "use_mla", False):
         raise TreeConfigError(f"model {model.model} uses multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2), "
                               "which spec_tree does not serve yet (no tree rows for MLA layers, no KV move for the "

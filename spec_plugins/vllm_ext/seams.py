@@ -114,6 +114,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.config:SpeculativeConfig", "method", "field", why="eagle vs eagle3", stage=REG),
     Seam("vllm.config:ModelConfig", "uses_mrope", "attr", why="M-RoPE targets are refused", stage=REG),
     Seam("vllm.config:ModelConfig", "use_mla", "attr", why="MLA targets are refused", stage=REG),
+    Seam("vllm.config:ModelConfig", "rswa_window", "attr", why="restricted sliding-window targets are refused",
+         stage=REG),
     Seam("vllm.config:ModelConfig", "logits_processors", "field", why="refused with trees", stage=REG),
     Seam("vllm.config:ModelConfig", "logprobs_mode", "field", why="only raw_logprobs", stage=REG),
     Seam("vllm.config:ModelConfig", "hf_text_config", "attr", why="target sizes the head must fit", stage=REG),
