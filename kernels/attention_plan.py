@@ -104,6 +104,8 @@ class TreeAttentionPlan:
     _depths: torch.Tensor | None = field(default=None, repr=False)
     _positions: tuple | None = field(default=None, repr=False)
     _window_bias: dict = field(default_factory=dict, repr=False)
+    # cpu: the host kernel's per-step arguments per (window, ALiBi, head dim)
+    _host_steps: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, block_table: torch.Tensor, context_lens: torch.Tensor, tree_mask: torch.Tensor, mode,
@@ -138,19 +140,50 @@ class TreeAttentionPlan:
         copies). window (int >= 1), sinks (float32 [Hq]), soft_cap (float >
         0), alibi_slopes (float32 [Hq]): this layer's features (module
         docstring), None for none."""
+        if self.impl == "cpu":
+            host = self._host_layer(q, k_cache, v_cache, scale, window, sinks, soft_cap, alibi_slopes)
+            if host is not None:
+                return cpu_attention.run_planned(host[0], self._host_step(host[1], q.shape[3]), q, out)
         self._check_layer(q, k_cache, v_cache)
         features = check_features(window, sinks, soft_cap, alibi_slopes, num_q_heads=q.shape[2], device=q.device)
         if self.impl in ("torch", "cpu"):
             bias = self._bias(features.window)
             positions = self._torch_positions() if features.alibi_slopes is not None else None
-            if self.impl == "cpu" and cpu_attention.supports(q, k_cache, v_cache):
-                return cpu_attention.run(self.blocks, bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]),
-                                         out=out, soft_cap=features.soft_cap, sinks=features.sinks,
-                                         alibi_slopes=features.alibi_slopes, positions=positions)
-            # (a dtype the host kernel has no code for: the torch path)
+            # (impl "cpu" here: a dtype or device the host kernel has no code for)
             return _torch_run(self.blocks, bias, q, k_cache, v_cache, _default_scale(scale, q.shape[-1]), features,
                               positions)
         return self._triton_run(q, k_cache, v_cache, scale, out, features)
+
+    # ------------------------------------------------------------- host kernel
+
+    def _host_layer(self, q, k_cache, v_cache, scale, window, sinks, soft_cap, alibi_slopes):
+        """(HostLayer, checked features) for the host kernel's planned call, or
+        None where it does not serve this layer (then ``run``'s checked path).
+        A layer's inputs and features are checked when its HostLayer is made,
+        not per call: the memo's key is every argument the check read."""
+        key = cpu_attention.layer_key(q, k_cache, v_cache, scale, window, sinks, soft_cap, alibi_slopes)
+        host = cpu_attention.cached_layer(key)
+        if host is None:
+            self._check_layer(q, k_cache, v_cache)
+            if not cpu_attention.supports(q, k_cache, v_cache):
+                return None
+            features = check_features(window, sinks, soft_cap, alibi_slopes, num_q_heads=q.shape[2], device=q.device)
+            host = cpu_attention.host_layer(key, k_cache, v_cache, q.shape[2], _default_scale(scale, q.shape[-1]),
+                                            features)
+        if q.shape[0] != self.batch or q.shape[1] != self.nodes or k_cache.shape[1] != self.block_size:
+            self._check_layer(q, k_cache, v_cache)  # raises: another plan's shapes
+        return host
+
+    def _host_step(self, features: AttentionFeatures, dim: int):
+        """This plan's ``HostStep`` for a layer's window, ALiBi and head dim (made on first use)."""
+        alibi = features.alibi_slopes is not None
+        key = (features.window, alibi, dim)
+        step = self._host_steps.get(key)
+        if step is None:
+            positions = self._torch_positions() if alibi else None
+            step = self._host_steps[key] = cpu_attention.HostStep(self.blocks, self._bias(features.window).contiguous(),
+                                                                  self.block_size, dim, positions)
+        return step
 
     # ------------------------------------------------------------- features
 

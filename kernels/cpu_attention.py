@@ -90,10 +90,12 @@ def build(compiler: str | None = None) -> bool:
         _error = f"{compiler} could not build {SOURCE.name}: {detail.strip()[-1500:]}"
         return False
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.spec_tree_attention_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, i64,
-                                            i64, i64, i64, i64, ptr, i64, ptr, f32, ptr, ptr,
-                                            f32, ptr, ptr, ptr, ptr]  # soft_cap, sinks, alibi, key_pos, query_pos
-    lib.spec_tree_attention_f32.restype = None
+    lib.spec_tree_attention_run.argtypes = [ptr, ptr, ptr, i64, ptr, i64]  # layer, step, q, q_stok, out, o_stok
+    lib.spec_tree_attention_run.restype = None
+    lib.spec_tree_attention_spans.argtypes = [ptr, i64, i64, i64, ptr]  # bias, B, T, S, spans
+    lib.spec_tree_attention_spans.restype = None
+    lib.spec_tree_attention_threads.argtypes = []
+    lib.spec_tree_attention_threads.restype = i64
     lib.spec_tree_attention_workspace.argtypes = [i64, i64, i64]
     lib.spec_tree_attention_workspace.restype = i64
     lib.spec_tree_attention_lanes.argtypes = []
@@ -139,32 +141,140 @@ def _feature_pointers(q: torch.Tensor, soft_cap, sinks, alibi_slopes, positions=
             *(None if t is None else t.data_ptr() for t in (f.sinks, f.alibi_slopes, key_pos, query_pos)))
 
 
-def run(blocks: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        scale: float, out: torch.Tensor | None = None, *, soft_cap: float | None = None,
-        sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-        positions: tuple | None = None) -> torch.Tensor:
-    """blocks [B, nb] int64, bias [B, 1, 1, T, nb * block_size] float32 (the
-    torch plan's, a sliding window folded in), q [B, T, Hq, D], K/V views
-    [num_blocks, block_size, Hkv, D] -> [B, T, Hq, D] float32 (``supports``
-    must hold): ``out`` when it is a contiguous float32 tensor of that shape,
-    else a new one. soft_cap (float > 0), sinks / alibi_slopes (float32 [Hq]),
-    positions (key [B, nb * block_size], query [B, T] float32 contiguous:
-    with ALiBi): ``attention_reference``'s features, None for none."""
-    features = _feature_pointers(q, soft_cap, sinks, alibi_slopes, positions)
-    batch, nodes, hq, dim = q.shape
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    q = q.contiguous()
-    blocks = blocks.to(torch.int64).contiguous()
-    bias = bias.contiguous()
-    out = _result_buffer(out, q.shape)
-    nb = blocks.shape[1]
-    work = torch.empty(_lib.spec_tree_attention_workspace(nb, block_size, dim), dtype=torch.float32)
+# ------------------------------------------------------------------ planned calls
+#
+# The per-layer call of a tree step, split by lifetime as the C side's structs
+# are: ``HostLayer`` (a layer's cache views, scale and features: built once per
+# engine layer and memoized by its values) and ``HostStep`` (a plan's blocks,
+# mask and workspace: built once per TreeAttentionPlan). The layer call itself
+# then converts four pointers (a call that rebuilt and re-checked everything
+# spent about 15 us of Python per layer, more than the kernel at small contexts).
 
-    # data_ptr(): element [0, 0, 0, 0] of each view (storage offset included)
-    _lib.spec_tree_attention_f32(q.data_ptr(), batch, nodes, hq, dim,
-                                 k_cache.data_ptr(), *k_cache.stride(), v_cache.data_ptr(), *v_cache.stride(),
-                                 k_cache.shape[0], hkv, block_size, blocks.data_ptr(), nb, bias.data_ptr(), float(scale),
-                                 out.data_ptr(), work.data_ptr(), *features)
+
+class _LayerArgs(ctypes.Structure):
+    _fields_ = [("k", ctypes.c_void_p), ("k_sblk", ctypes.c_int64), ("k_stok", ctypes.c_int64),
+                ("k_shead", ctypes.c_int64), ("k_sdim", ctypes.c_int64),
+                ("v", ctypes.c_void_p), ("v_sblk", ctypes.c_int64), ("v_stok", ctypes.c_int64),
+                ("v_shead", ctypes.c_int64), ("v_sdim", ctypes.c_int64),
+                ("num_blocks", ctypes.c_int64), ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("D", ctypes.c_int64),
+                ("scale", ctypes.c_float), ("soft_cap", ctypes.c_float),
+                ("sinks", ctypes.c_void_p), ("alibi", ctypes.c_void_p)]
+
+
+class _StepArgs(ctypes.Structure):
+    _fields_ = [("B", ctypes.c_int64), ("T", ctypes.c_int64), ("nb", ctypes.c_int64),
+                ("blocks", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("key_pos", ctypes.c_void_p),
+                ("query_pos", ctypes.c_void_p), ("work", ctypes.c_void_p), ("threads", ctypes.c_int64),
+                ("spans", ctypes.c_void_p)]
+
+
+class HostLayer:
+    """A layer's constant arguments: the K/V views [num_blocks, block_size,
+    Hkv, D] float32, Hq, the scale and the checked features, as pointers and
+    strides. It holds no tensor: every pointer it carries is part of its
+    ``layer_key``, and each call passes the live tensors whose key it is, so
+    what it points at is alive (and is what the caller passed) during the call."""
+
+    __slots__ = ("args", "ref")
+
+    def __init__(self, k_cache, v_cache, num_q_heads: int, scale: float, features):
+        nblk, block_size, hkv, dim = k_cache.shape
+        sinks, alibi = features.sinks, features.alibi_slopes
+        self.args = _LayerArgs(k_cache.data_ptr(), *k_cache.stride(), v_cache.data_ptr(), *v_cache.stride(),
+                               nblk, num_q_heads, hkv, block_size, dim, float(scale),
+                               0.0 if features.soft_cap is None else features.soft_cap,
+                               None if sinks is None else sinks.data_ptr(),
+                               None if alibi is None else alibi.data_ptr())
+        self.ref = ctypes.byref(self.args)
+
+
+_LAYERS: dict = {}
+_MAX_LAYERS = 4096  # engines have one entry per attention layer; tests make many caches (small entries)
+
+
+def layer_key(q, k_cache, v_cache, scale, window, sinks, soft_cap, alibi_slopes) -> tuple:
+    """What a layer's planned call is made of (``TreeAttentionPlan.run``'s
+    arguments but the step's): equal keys, equal arguments, so the memo of
+    ``cached_layer`` / ``host_layer`` needs no check per call. The features
+    enter as given (the checked ones are memoized with the key): a tensor's
+    pointer, dtype and shape, a number's value."""
+    return (q.dtype, q.is_cpu, q.shape[2], q.shape[3], k_cache.data_ptr(), k_cache.shape, k_cache.stride(),
+            k_cache.dtype, k_cache.is_cpu, v_cache.data_ptr(), v_cache.shape, v_cache.stride(), v_cache.dtype,
+            v_cache.is_cpu, scale, window, soft_cap, *(_tensor_key(t) for t in (sinks, alibi_slopes)))
+
+
+def _tensor_key(t) -> tuple | None:
+    if not isinstance(t, torch.Tensor):
+        return None if t is None else (type(t),)  # not a tensor: check_features refuses it (never memoized)
+    return t.data_ptr(), t.dtype, t.shape, t.stride(), t.is_cpu
+
+
+def cached_layer(key: tuple):
+    """(HostLayer, checked features) made for ``key`` before, or None: check
+    the inputs, then ``host_layer``."""
+    return _LAYERS.get(key)
+
+
+def host_layer(key: tuple, k_cache, v_cache, num_q_heads: int, scale: float, features) -> tuple:
+    """Make and memoize ``key``'s (HostLayer, features); the caller has checked
+    the inputs (``supports``, check_features): only checked layers are memoized."""
+    if len(_LAYERS) >= _MAX_LAYERS:
+        _LAYERS.clear()
+    entry = _LAYERS[key] = (HostLayer(k_cache, v_cache, num_q_heads, scale, features), features)
+    return entry
+
+
+class HostStep:
+    """A plan's per-step arguments: blocks [B, nb] int64 and bias [B, 1, 1, T,
+    nb * block_size] float32 contiguous (the torch plan's, a window folded in),
+    ALiBi's positions (key [B, S], query [B, T] float32, or None) and a
+    workspace for head dim ``dim``."""
+
+    __slots__ = ("args", "ref", "_keep")
+
+    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor, block_size: int, dim: int, positions=None):
+        batch, nodes = bias.shape[0], bias.shape[3]
+        if blocks.dtype != torch.int64 or not blocks.is_contiguous() or not bias.is_contiguous():
+            raise ValueError("HostStep needs contiguous int64 blocks and a contiguous bias (the torch plan's)")
+        threads = _lib.spec_tree_attention_threads()  # the workspace is sized for these, the call runs on them
+        work = torch.empty(_lib.spec_tree_attention_workspace(blocks.shape[1], block_size, dim), dtype=torch.float32)
+        key_pos, query_pos = positions if positions is not None else (None, None)
+        spans = torch.empty(batch, 2, dtype=torch.int64)  # what each request's rows see: found once per plan
+        _lib.spec_tree_attention_spans(bias.data_ptr(), batch, nodes, bias.shape[-1], spans.data_ptr())
+        self.args = _StepArgs(batch, nodes, blocks.shape[1], blocks.data_ptr(), bias.data_ptr(),
+                              None if key_pos is None else key_pos.data_ptr(),
+                              None if query_pos is None else query_pos.data_ptr(), work.data_ptr(), threads,
+                              spans.data_ptr())
+        self.ref = ctypes.byref(self.args)
+        self._keep = (blocks, bias, key_pos, query_pos, work, spans)
+
+
+def token_stride(x: torch.Tensor) -> int | None:
+    """Floats between consecutive tokens of a [B, T, H, D] float32 tensor
+    whose H * D are contiguous per token and whose tokens are evenly spaced
+    (a contiguous tensor, or rows of an engine's fused qkv); None otherwise."""
+    batch, nodes, heads, dim = x.shape
+    s0, s1, s2, s3 = x.stride()
+    if s3 != 1 or s2 != dim or (batch > 1 and s0 != nodes * s1) or s1 < heads * dim:
+        return None
+    return s1
+
+
+def run_planned(layer: HostLayer, step: HostStep, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's tree rows: q [B, T, Hq, D] float32 on the host (any
+    ``token_stride``; others are copied) -> out, when it is a float32 tensor
+    of that shape with a token stride, else a new contiguous one."""
+    q_stok = token_stride(q)
+    if q_stok is None:
+        q = q.contiguous()
+        q_stok = q.shape[2] * q.shape[3]
+    o_stok = None if out is None or out.dtype != torch.float32 or out.shape != q.shape or not out.is_cpu \
+        else token_stride(out)
+    if o_stok is None:
+        out = torch.empty(q.shape, dtype=torch.float32)
+        o_stok = q.shape[2] * q.shape[3]
+    _lib.spec_tree_attention_run(layer.ref, step.ref, q.data_ptr(), q_stok, out.data_ptr(), o_stok)
     return out
 
 

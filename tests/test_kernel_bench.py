@@ -171,8 +171,8 @@ def test_cpu_attention_bench_point_times_all_three_on_the_same_rows(capsys):
     if cpu_attention.find_compiler() is None:
         pytest.skip("no host C compiler to build the kernel")
     assert cpu_attention.build(), cpu_attention.build_error()
-    row = bench.bench_point(batch=2, context=150, repeats=3)
+    row = bench.bench_point(batch=2, context=150, rounds=3)
     assert row["torch"] > 0 and row["cpu"] > 0 and row["cpu_max_abs_err"] < 1e-4
     assert (row["vllm"] is None) == (importlib.util.find_spec("vllm") is None)
-    assert bench.main(["--context", "20", "--batch", "1", "--repeats", "2"]) == 0
-    assert "| 1 | 20 |" in capsys.readouterr().out
+    assert bench.main(["--context", "20", "--batch", "1", "--threads", "1", "--rounds", "2"]) == 0
+    assert "| 1 | 1 | 20 |" in capsys.readouterr().out

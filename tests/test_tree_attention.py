@@ -730,17 +730,45 @@ def test_cpu_kernel_result_does_not_depend_on_the_thread_count(host_kernel):
     p = finite_problem("random", 8, [300, 7, 64], seed=13, hq=9, hkv=3, dim=64, block_size=128)
     q, k_cache, v_cache, *_ = p.args()
     k_cache, v_cache = cpu_layout(k_cache, v_cache)
-    plan = plan_of(p, "cpu", max_context_len=300)
     threads = torch.get_num_threads()
-    try:
+    try:  # a plan's workspace is sized for the pool when it first runs: one plan per thread count
         torch.set_num_threads(1)
-        one = plan.run(q, k_cache, v_cache, p.scale)
+        one = plan_of(p, "cpu", max_context_len=300).run(q, k_cache, v_cache, p.scale)
         torch.set_num_threads(2)
-        two = plan.run(q, k_cache, v_cache, p.scale)
+        two = plan_of(p, "cpu", max_context_len=300).run(q, k_cache, v_cache, p.scale)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     assert_close(two, p.dense(), torch.float32)
+
+
+@needs_cc
+def test_cpu_kernel_planned_call_reads_fused_rows_in_place_and_tracks_each_cache(host_kernel):
+    """The per-layer call as the vLLM adapter makes it: q rows of a fused qkv
+    ([N, (Hq + 2 Hkv) * D], tokens further apart than Hq * D) read in place,
+    the result written into a strided output view; the layers' memoized
+    arguments follow each cache (two caches of one shape give each its own
+    answer, every call), and a cache of another block size is refused."""
+    p = finite_problem("random", 8, [150, 9], seed=17, hq=9, hkv=3, dim=64, block_size=128)
+    other = another_layer(p, 3)
+    plan = plan_of(p, "cpu", max_context_len=150)
+    batch, nodes, hq, dim = p.args()[0].shape
+    fused = torch.randn(batch * nodes, (hq + 6) * dim)
+    out_rows = torch.full((batch * nodes, (hq + 1) * dim), float("nan"))
+    for _ in range(2):
+        for layer in (p, other):
+            q, k_cache, v_cache, *_ = layer.args()
+            k_cache, v_cache = cpu_layout(k_cache, v_cache)
+            fused[:, : hq * dim] = q.reshape(batch * nodes, hq * dim)
+            q_view = fused[:, : hq * dim].view(batch, nodes, hq, dim)
+            out = out_rows[:, : hq * dim].view(batch, nodes, hq, dim)
+            assert plan.run(q_view, k_cache, v_cache, layer.scale, out=out) is out
+            assert_close(out, layer.dense(), torch.float32)
+    assert torch.isnan(out_rows[:, hq * dim:]).all()  # nothing written past the output rows
+    q, k_cache, v_cache, *_ = p.args()
+    wrong = k_cache.view(k_cache.shape[0] * 2, 64, *k_cache.shape[2:])
+    with pytest.raises(ValueError, match="block"):
+        plan.run(q, wrong, v_cache.view_as(wrong), p.scale)
 
 
 def _native_vector_floats() -> int:

