@@ -5,11 +5,12 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 # (package, module) pairs that stay in the repository: benchmarks, the HF
-# reference decoder, the SGLang test doubles
+# reference decoder, the docs' support-table generator, the SGLang test doubles
 REPOSITORY_ONLY = {
     ("spec_plugins", "acceptance_bench"),
     ("spec_plugins", "bench_noise"),
     ("spec_plugins", "reference_decoder"),
+    ("spec_plugins", "support_table"),
     ("spec_plugins", "vllm_bench"),
     ("spec_plugins.sglang_ext", "_testing"),
 }

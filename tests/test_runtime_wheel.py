@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REPO_ONLY_PACKAGES = ("spec_plugins.heads", "spec_plugins.kernel_bench", "spec_plugins.models", "spec_plugins.prompts",
                       "spec_plugins.training")
 REPO_ONLY_MODULES = ("spec_plugins.vllm_bench", "spec_plugins.bench_noise", "spec_plugins.acceptance_bench",
-                     "spec_plugins.reference_decoder", "spec_plugins.sglang_ext._testing")
+                     "spec_plugins.reference_decoder", "spec_plugins.sglang_ext._testing",
+                     "spec_plugins.support_table")
 
 
 def repo_only(module: str) -> bool:

@@ -414,16 +414,9 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     model = vllm_config.model_config
     check_kv_cache_dtype(vllm_config.cache_config.cache_dtype, model.dtype)
     check_attention_options(model)
-    if getattr(model, "uses_mrope", False):
-        raise TreeConfigError(f"model {model.model}: M-RoPE targets are not supported with spec_tree")
-    if getattr(model, "rswa_window", None) is not None:
-        raise TreeConfigError(f"model {model.model} uses restricted sliding-window attention (rswa_window="
-                              f"{model.rswa_window}), whose cache evicts blocks inside the context: spec_tree does not "
-                              "serve it")
-    if getattr(model, "use_mla", False):
-        raise TreeConfigError(f"model {model.model} uses multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2), "
-                              "which spec_tree does not serve yet (no tree rows for MLA layers, no KV move for the "
-                              "latent cache)")
+    refusal = model_attention_refusal(model)
+    if refusal is not None:
+        raise TreeConfigError(refusal)
     if getattr(model, "logits_processors", None):
         raise TreeConfigError("logits_processors (engine argument) are not supported with spec_tree (vLLM refuses "
                               "them with any speculative_config); install them through the vllm.logits_processors "
@@ -444,6 +437,21 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     from .requests import mark_tree_engine
 
     mark_tree_engine(vllm_config)  # min_p / logit_bias requests are served (logit_bias without speculation)
+
+
+def model_attention_refusal(model) -> str | None:
+    """Why spec_tree refuses the target's kind of attention as vLLM's ModelConfig
+    describes it (read by attribute: uses_mrope, rswa_window, use_mla), or None;
+    ``validate_vllm_config`` raises it, ``spec_plugins.support_table`` prints it."""
+    if getattr(model, "uses_mrope", False):
+        return f"model {model.model}: M-RoPE targets are not supported with spec_tree"
+    if getattr(model, "rswa_window", None) is not None:
+        return (f"model {model.model} uses restricted sliding-window attention (rswa_window={model.rswa_window}), "
+                "whose cache evicts blocks inside the context: spec_tree does not serve it")
+    if getattr(model, "use_mla", False):
+        return (f"model {model.model} uses multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2), which "
+                "spec_tree does not serve yet (no tree rows for MLA layers, no KV move for the latent cache)")
+    return None
 
 
 def check_kv_cache_dtype(cache_dtype, model_dtype) -> None:
