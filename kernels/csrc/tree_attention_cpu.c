@@ -106,6 +106,7 @@ static int thread_id(void) {
  * tiles of 12, not 16 + 8 of padding): K is read once per tile, padding rows cost as real ones.
  * A row's arithmetic never depends on its tile, so neither do the results. */
 static int tile_rows(int64_t rows, int64_t pairs, int64_t threads) {
+    if (rows < 1 || pairs < 1) return 4;  /* no row or no request: no unit runs */
     int64_t tiles = (rows + ROWS - 1) / ROWS;
     const int64_t for_threads = (threads + pairs - 1) / pairs, most = (rows + 3) / 4;
     if (for_threads > tiles) tiles = for_threads < most ? for_threads : most;
