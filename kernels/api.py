@@ -317,6 +317,7 @@ def tree_from_parents(
     mode: "TreeMaskMode | int | str" = TreeMaskMode.ANCESTOR_BITMASK,
     *,
     max_depth: int | None = None,
+    validate: bool = True,
 ) -> TreeBuild:
     """``build_tree``'s outputs for trees given as parent pointers (torch ops).
 
@@ -327,6 +328,9 @@ def tree_from_parents(
               parent must precede its child.
     seq_lens: [B] int64 committed context length (positions = seq_lens + depth).
     mode:     any mode but FULL_MASK (whose prefix columns need the context).
+    validate: check the parents (reads the device); a caller whose parents
+              are trees by construction (its own drafter's) passes False, so
+              the build stays on the device (no host sync, capturable).
     Raises ValueError on a parents array that is not such a tree.
     """
     mode = parse_mask_mode(mode)
@@ -340,7 +344,7 @@ def tree_from_parents(
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries for {batch} trees")
     node = torch.arange(nodes, device=parent.device)
-    if bool((parent[:, 0] != -1).any()) or bool(((parent[:, 1:] < 0) | (parent[:, 1:] >= node[1:])).any()):
+    if validate and bool((parent[:, 0] != -1).any()) or bool(((parent[:, 1:] < 0) | (parent[:, 1:] >= node[1:])).any()):
         raise ValueError(f"parent must be -1 for node 0 and in [0, i) for node i, got {parent.tolist()}")
     anc, depth, _ = reference.ancestor_matrix(parent, nodes - 1 if max_depth is None else max_depth)
     first_child, next_sibling = reference.tree_links(parent)

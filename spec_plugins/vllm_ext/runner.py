@@ -305,6 +305,14 @@ class TreeRunnerMixin:
         for batch, seconds in fastest.items():
             self.budget.costs.seed_verify(1, batch, seconds)
 
+    def group_block_table(self, gid: int) -> torch.Tensor:
+        """[max_num_reqs, max_blocks] KV cache group ``gid``'s block table, as attention metadata carries it."""
+        return self.input_batch.block_table[gid].block_table.gpu
+
+    def head_row_limit(self) -> int:
+        """Rows a compiled head takes per forward: vLLM's drafter buffers."""
+        return self.drafter.input_ids.shape[0]
+
     def _layer_kv(self, name: str) -> torch.Tensor:
         kv = self.compilation_config.static_forward_context[name].kv_cache
         return kv[0] if isinstance(kv, list) else kv

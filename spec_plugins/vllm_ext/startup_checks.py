@@ -56,8 +56,8 @@ def check_draft_rows_fit(runner) -> None:
         return
     settings = runner.tree_settings
     topk = max(s.topk for s in (settings.menu or (settings.shape,)) if s is not None)
-    seqs, limit = runner.scheduler_config.max_num_seqs, runner.drafter.input_ids.shape[0]
-    if seqs * topk > limit:
+    seqs, limit = runner.scheduler_config.max_num_seqs, runner.head_row_limit()
+    if limit is not None and seqs * topk > limit:
         raise TreeConfigError(
             f"max_num_seqs={seqs} x topk={topk} = {seqs * topk} head rows per draft level exceeds the compiled "
             f"head's {limit} (max_num_batched_tokens): set max_num_seqs <= {limit // topk}, "
@@ -142,7 +142,7 @@ def warm_tree_kernels(runner, target_layers, draft_layers):
     for name in [*target_layers, *draft_layers]:
         layer = ctx[name]
         k_view, v_view = layer.impl.kv_views(layer, layer_kv(layer))
-        block_table = runner.input_batch.block_table[group_of[name]].block_table.gpu  # what attn_metadata carries
+        block_table = runner.group_block_table(group_of[name])  # what attn_metadata carries
         layers.append(AttentionLayer(layer.impl.num_heads, k_view, v_view, block_table, layer.impl.tree_impl,
                                      **layer.impl.tree_features))
     kv_caches = [view for name in group_of for view in runner.kv_views(layer_kv(ctx[name]))]  # as the KV move reads

