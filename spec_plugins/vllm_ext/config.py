@@ -434,6 +434,9 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
         raise TreeConfigError(f"spec_tree budget='auto' with tensor_parallel_size={parallel.tensor_parallel_size}: "
                               "every rank times its own steps, so ranks could pick different shapes for one step; "
                               "use a fixed tree shape under tensor parallelism")
+    if settings.menu and getattr(vllm_config, "use_v2_model_runner", False):
+        raise TreeConfigError("spec_tree budget='auto' is not served on vLLM's V2 model runner yet "
+                              "(VLLM_USE_V2_MODEL_RUNNER=1): use a fixed tree shape, or the V1 runner")
     from .requests import mark_tree_engine
 
     mark_tree_engine(vllm_config)  # min_p / logit_bias requests are served (logit_bias without speculation)

