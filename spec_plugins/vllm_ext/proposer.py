@@ -163,6 +163,64 @@ def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:
                                   f"{target_cfg.num_hidden_layers} layers")
 
 
+# Where targets without a ``model`` submodule keep their input embedding (vLLM 0.32's model classes):
+# BLOOM and Falcon ``transformer.word_embeddings``, MPT and GPT-2 ``transformer.wte``.
+TARGET_EMBEDDINGS = ("transformer.word_embeddings", "transformer.wte")
+
+
+def share_embeddings_with_any_target(drafter) -> None:
+    """vLLM 0.32's EAGLE proposer gives a head without embeddings or LM head of
+    its own (EAGLE-1) the target's (``_maybe_share_embeddings``,
+    ``_maybe_share_lm_head``), and both read ``target.model`` (its
+    ``embed_tokens``; its ``topk_indices_buffer``, if any): on a target whose
+    decoder is ``transformer`` (BLOOM, ALiBi's family) they raise "Target model
+    does not have 'model' attribute" and vLLM's EAGLE cannot load. Wrapped here
+    (before the runner's ``load_model``) so that such a target reaches vLLM's own
+    sharing code as a view with ``model.embed_tokens`` (its embedding module,
+    ``TARGET_EMBEDDINGS``) and its ``lm_head``; a target with ``model`` goes
+    through vLLM's code unchanged."""
+    from types import SimpleNamespace
+
+    def view(target):
+        if getattr(target, "model", None) is not None:
+            return target
+        for path in TARGET_EMBEDDINGS:
+            module = target
+            for part in path.split("."):
+                module = getattr(module, part, None)
+            if module is not None:
+                shared = SimpleNamespace(model=SimpleNamespace(embed_tokens=module))
+                if hasattr(target, "lm_head"):
+                    shared.lm_head = target.lm_head
+                return shared
+        return target  # vLLM's own error names what is missing
+
+    for method in ("_maybe_share_embeddings", "_maybe_share_lm_head"):
+        share = getattr(drafter, method)
+        setattr(drafter, method, lambda target, share=share: share(view(target)))
+
+
+def share_tied_lm_head(head, target) -> None:
+    """An EAGLE-1 head has no LM head of its own: vLLM gives it the target's
+    ``lm_head`` module (``_maybe_share_lm_head``). A target whose logits come
+    from its tied input embedding and that builds no ``lm_head`` (vLLM's
+    Gemma-2: ``compute_logits`` on ``model.embed_tokens``) leaves the head
+    without one, and the first draft step would fail: give it that embedding,
+    the target's output projection. (The head's logits then lack the target's
+    final logit soft-cap, if any: a monotone map, so the drafts' top-k order is
+    the same; verification uses the target's own logits.)"""
+    if hasattr(head, "lm_head"):
+        return
+    language = target.get_language_model() if hasattr(target, "get_language_model") else target
+    shared = getattr(language, "lm_head", None)
+    if shared is None:
+        shared = getattr(getattr(language, "model", None), "embed_tokens", None)
+    if shared is None:
+        raise TreeConfigError(f"the draft head has no LM head and the target ({type(language).__name__}) has neither "
+                              "an lm_head nor a tied model.embed_tokens to share with it")
+    head.lm_head = shared
+
+
 def check_loaded_head(model, target_vocab: int, folder) -> None:
     """After vLLM loaded the head: its draft->target map must land in the target vocabulary."""
     d2t = getattr(model, "draft_id_to_target_id", None)

@@ -53,7 +53,13 @@ from spec_plugins.tree_drafting import chain_counterfactual
 
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import settings_from_vllm_config
-from .proposer import TreeDrafter, check_head_fits_target, check_loaded_head
+from .proposer import (
+    TreeDrafter,
+    check_head_fits_target,
+    check_loaded_head,
+    share_embeddings_with_any_target,
+    share_tied_lm_head,
+)
 from .requests import install_full_logitsprocs, may_speculate, spread_bonus_logprobs
 from .startup_checks import check_at_startup, warm_tree_kernels
 
@@ -256,7 +262,9 @@ class TreeRunnerMixin:
         spec = self.vllm_config.speculative_config
         check_head_fits_target(spec.draft_model_config.hf_config, self.vllm_config.model_config.hf_text_config,
                                spec.method, spec.draft_model_config.model)
+        share_embeddings_with_any_target(self.drafter)  # a target without `model` (BLOOM: `transformer`)
         super().load_model(*args, **kwargs)  # loads the target and vLLM's EAGLE head (self.drafter.model)
+        share_tied_lm_head(self.drafter.model, self.get_model())  # a tied target without lm_head (Gemma-2)
         check_loaded_head(self.drafter.model, self.vllm_config.model_config.get_vocab_size(),
                           spec.draft_model_config.model)
         self.tree_drafter = TreeDrafter(self, self.tree_settings.shape, self.tree_impl)

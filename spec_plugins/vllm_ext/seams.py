@@ -326,6 +326,10 @@ SEAMS: tuple[Seam, ...] = (
          why="the reduced draft vocabulary's map to target ids"),
     Seam("vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM", "logits_processor", "attr",
          why="draft-vocabulary logits (lm_head applied by vLLM's LogitsProcessor)"),
+    *(Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", m, "method", "target_language_model",
+           "wrapped: a target without `model` (BLOOM's `transformer`) is handed over as a view with its "
+           "embedding as model.embed_tokens (proposer.share_embeddings_with_any_target)")
+      for m in ("_maybe_share_embeddings", "_maybe_share_lm_head")),
     Seam("vllm.model_executor.models.llama_eagle:EagleLlamaForCausalLM", "forward", "method",
          "input_ids, positions, hidden_states, inputs_embeds", "the head's forward (extend and draft steps)"),
     Seam("vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM", "forward", "method",

@@ -6,11 +6,13 @@ cannot serve stops the engine before it takes a request, instead of killing
 the first request and everything in flight with it.
 
 * Every target attention layer is one the tree rows compute exactly: its
-  sliding window and attention sinks are read off vLLM's impl into
-  ``impl.tree_features`` (what the tree kernels take per layer); the variants
-  without an end-to-end test (``REFUSED_LAYER_FEATURES``) are refused, and
-  so is a KV cache in another dtype than the model's (``tree_attention``
-  requires cache dtype == query dtype).
+  sliding window, attention sinks, logit soft-cap and ALiBi slopes are read
+  off vLLM's impl into ``impl.tree_features`` (what the tree kernels take per
+  layer, for the verify rows and, on the head's layers, the draft steps); the
+  variants the kernels do not compute or that have no end-to-end test
+  (``REFUSED_LAYER_FEATURES``: sqrt-ALiBi; chunked local attention) are
+  refused, and so is a KV cache in another dtype than the model's
+  (``tree_attention`` requires cache dtype == query dtype).
 * The K layout of every cache the runner or the tree rows read is resolved
   now: on CPU that runs the probe through vLLM's own cache-write op, which
   refuses a tiled layout (AMX with bf16).
@@ -69,11 +71,12 @@ def layer_kv(layer) -> torch.Tensor:
     return kv[0] if isinstance(kv, list) else kv
 
 
-# Attention variants the tree kernels compute (spec_tree_kernels.attention_reference) but tree mode does
-# not serve yet: no end-to-end token-identity test of a model that uses them (issue #39's rule).
+# impl attribute -> (what it is, used?) for attention variants tree mode does not serve. Windows, sinks,
+# soft-caps (Gemma-2) and ALiBi slopes (BLOOM) the tree kernels compute and have their end-to-end tests
+# (tests/model/test_vllm_tree_oracle.py); Step1's sqrt-ALiBi (bias slope * sqrt(distance), vLLM's
+# ``use_alibi_sqrt``: its Triton backends only) the kernels do not compute.
 REFUSED_LAYER_FEATURES = {
-    "alibi_slopes": ("ALiBi slopes (alibi_slopes)", lambda v: v is not None),
-    "logits_soft_cap": ("logits soft-cap (logits_soft_cap={})", lambda v: v not in (None, 0, 0.0)),
+    "use_alibi_sqrt": ("sqrt-ALiBi (use_alibi_sqrt)", bool),
 }
 
 
@@ -88,14 +91,20 @@ def unsupported_attention(layer) -> list[str]:
 
 
 def tree_features(name: str, layer) -> dict:
-    """The layer's sliding window and sinks as the tree kernels take them
-    (``TreeAttentionPlan.run`` / ``BranchAttentionPlan.run`` keywords),
-    read once off vLLM's impl after the weights are loaded (sinks are weights)."""
+    """The layer's sliding window, sinks, logit soft-cap and ALiBi slopes as
+    the tree kernels take them (``window`` / ``sinks`` / ``soft_cap`` /
+    ``alibi_slopes``: ``TreeAttentionPlan.run`` / ``BranchAttentionPlan.run`` /
+    ``cpu_attention.run_branch`` keywords), read once off vLLM's impl after the
+    weights are loaded (sinks are weights). vLLM-CPU's impl stores "no soft-cap"
+    as 0 and the slopes as a CPU float32 tensor (``CPUAttentionBackendImpl``):
+    ``features_from_vllm`` drops the former and puts the latter on the cache's
+    device."""
     from spec_tree_kernels.attention_reference import features_from_vllm
 
     impl = layer.impl
     try:
         features = features_from_vllm(getattr(impl, "sliding_window", None), getattr(impl, "sinks", None),
+                                      getattr(impl, "logits_soft_cap", None), getattr(impl, "alibi_slopes", None),
                                       device=layer_kv(layer).device)
     except ValueError as e:
         raise TreeConfigError(f"spec_tree: attention layer {name}: {e}") from None

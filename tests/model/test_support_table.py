@@ -76,7 +76,7 @@ def test_each_rule_decides_a_row(table):
     ModelConfig code derives MLA and M-RoPE from the config)."""
     by_row = {r.attention: {rule for _, rule in refusals} for r, refusals in table}
     for served in ("full causal attention (MHA / GQA)", "sliding windows (some or all layers)",
-                   "attention sinks + alternating windows"):
+                   "attention sinks + alternating windows", "logit soft-cap", "ALiBi"):
         assert by_row[served] == set(), served
     assert by_row["chunked local attention"] == {"config.attention_options", "startup_checks.unsupported_attention"}
     assert by_row["MLA"] == by_row["M-RoPE"] == {"config.model_attention_refusal"}

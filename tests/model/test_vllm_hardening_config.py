@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,15 +91,22 @@ def test_kv_cache_dtype_other_than_the_model_dtype_is_refused():
                       additional_config=TREE)
 
 
-@pytest.mark.parametrize("override,needle", [
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
-    ({"attention_chunk_size": 256}, "attention_chunk_size=256"),
-    ({"alibi": True}, "alibi=True"),
-    ({"position_embedding_type": "alibi"}, "position_embedding_type='alibi'"),
-])
-def test_attention_variants_are_refused_naming_the_option(tmp_path, override, needle):
-    with pytest.raises(tc.TreeConfigError, match=needle):
-        engine_config(target_with(tmp_path, **override), speculative_config=EAGLE3, additional_config=TREE)
+def test_attention_variants_are_refused_naming_the_option(tmp_path):
+    with pytest.raises(tc.TreeConfigError, match="attention_chunk_size=256"):
+        engine_config(target_with(tmp_path, attention_chunk_size=256), speculative_config=EAGLE3,
+                      additional_config=TREE)
+
+
+@pytest.mark.parametrize("override", [{"attn_logit_softcapping": 50.0}, {"alibi": True},
+                                      {"position_embedding_type": "alibi"}],
+                         ids=["soft-cap", "alibi", "alibi-position-embedding"])
+def test_soft_cap_and_alibi_configs_are_accepted(tmp_path, override):
+    """Served since their end-to-end tests (test_vllm_tree_oracle.py: gemma2, bloom): the
+    config-time rule lets Gemma-2's attn_logit_softcapping and the ALiBi flags through (BLOOM's
+    model type too); the layers' cap and slopes go to the tree kernels
+    (test_startup_check_hands_soft_caps_and_alibi_slopes_to_the_tree_rows)."""
+    assert tc.attention_options(SimpleNamespace(model_type="bloom", **override)) == []
+    engine_config(target_with(tmp_path, **override), speculative_config=EAGLE3, additional_config=TREE)
 
 
 def cpu_impl(**kw):
@@ -112,32 +120,57 @@ def cpu_impl(**kw):
         return TreeCPUAttentionImpl(**{**args, **kw})
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}, "ALiBi"),
-    ({"logits_soft_cap": 30.0}, "soft-cap"),
-])
-def test_startup_check_refuses_attention_layers_tree_mode_does_not_serve(kw, needle):
-    """The exact check at startup reads vLLM's real attention impl objects, for any model."""
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize("impl_attrs,layer_attrs,needle", [
+    ({"use_alibi_sqrt": True}, {}, r"sqrt-ALiBi \(use_alibi_sqrt\)"),
+    ({}, {"attention_chunk_size": 256}, r"chunked local attention \(attention_chunk_size=256\)"),
+], ids=["sqrt-alibi", "chunked-local"])
+def test_startup_check_refuses_attention_layers_tree_mode_does_not_serve(impl_attrs, layer_attrs, needle):
+    """The exact check at startup reads vLLM's real attention impl objects, for any model:
+    Step1's sqrt-ALiBi (vLLM's Triton impls keep ``use_alibi_sqrt``; vLLM-CPU's refuses it
+    itself) and chunked local attention (Llama-4's ChunkedLocalAttention layers carry
+    attention_chunk_size) are refused, and so is a KV cache in another dtype."""
     from spec_plugins.vllm_ext.startup_checks import check_attention_layer
 
     cache = torch.zeros(2, 2, 16, 128)
     check_attention_layer("model.layers.0.self_attn.attn", SimpleNamespace(impl=cpu_impl(), kv_cache=[cache]),
                           torch.float32)  # a plain layer passes
+    impl = cpu_impl(alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
+    for name, value in impl_attrs.items():
+        setattr(impl, name, value)
+    layer = SimpleNamespace(impl=impl, kv_cache=[cache], **layer_attrs)
     with pytest.raises(tc.TreeConfigError, match=needle):
-        check_attention_layer("model.layers.0.self_attn.attn", SimpleNamespace(impl=cpu_impl(**kw), kv_cache=[cache]),
-                              torch.float32)
+        check_attention_layer("model.layers.0.self_attn.attn", layer, torch.float32)
     with pytest.raises(tc.TreeConfigError, match="KV cache of torch.bfloat16"):
         check_attention_layer("l", SimpleNamespace(impl=cpu_impl(), kv_cache=[cache.bfloat16()]), torch.float32)
+
+
+def test_startup_check_hands_soft_caps_and_alibi_slopes_to_the_tree_rows():
+    """A soft-capped layer (Gemma-2's) and an ALiBi layer (BLOOM's), once refused here,
+    now pass the check, which leaves the cap and a float32 copy of the slopes on the impl
+    for the tree rows and the draft steps; vLLM-CPU's impl keeps "no cap" as 0, and then
+    none is passed."""
+    from spec_plugins.vllm_ext.startup_checks import check_attention_layer
+
+    cache = torch.zeros(2, 2, 16, 128)
+    capped = SimpleNamespace(impl=cpu_impl(logits_soft_cap=30.0), kv_cache=[cache])
+    check_attention_layer("model.layers.0.self_attn.attn", capped, torch.float32)
+    assert capped.impl.tree_features == {"soft_cap": 30.0}
+    slopes = [0.5, 0.25, 0.125, 0.0625]
+    alibi = SimpleNamespace(impl=cpu_impl(alibi_slopes=slopes), kv_cache=[cache])
+    check_attention_layer("transformer.h.0.self_attention.attn", alibi, torch.float32)
+    features = alibi.impl.tree_features
+    assert set(features) == {"alibi_slopes"} and features["alibi_slopes"].dtype == torch.float32
+    assert features["alibi_slopes"].tolist() == slopes
+    plain = SimpleNamespace(impl=cpu_impl(logits_soft_cap=None), kv_cache=[cache])
+    assert plain.impl.logits_soft_cap == 0
+    check_attention_layer("model.layers.1.self_attn.attn", plain, torch.float32)
+    assert plain.impl.tree_features == {}
 
 
 def test_startup_check_hands_windows_and_sinks_to_the_tree_rows():
     """A windowed layer with sinks (gpt-oss's) passes the check, which leaves
     the window and a float32 copy of the sinks on the impl for the tree
     kernels; a plain layer gets none (its tree rows run as before)."""
-    from types import SimpleNamespace
-
     from spec_plugins.vllm_ext.startup_checks import check_attention_layer
 
     cache = torch.zeros(2, 2, 16, 128)

