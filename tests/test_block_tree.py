@@ -11,8 +11,13 @@ parents, BFS order and scores must equal it exactly, for the reference and
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -290,6 +295,39 @@ def test_validation_names_the_bad_argument():
         K.build_block_tree(logp, tokens, 3, impl="cuda")
     assert K.build_block_tree(logp[:0], tokens[:0], 3).tokens.shape == (0, 3)
     assert K.build_block_tree(logp.double(), tokens, 14).scores.dtype == torch.float32
+
+
+AOT = """
+import json, re
+import torch
+from triton.backends.compiler import GPUTarget
+from triton_aot import compile_launch, resource_usage
+from spec_tree_kernels import block_tree_triton as bt
+from spec_tree_kernels.triton_launch import capturing
+for R, L, K, N in [(4, 8, 8, 63), (2, 16, 4, 255), (1, 1, 1, 1)]:
+    with capturing() as held:  # the launch the op makes, held, not run
+        bt.build_block_tree(torch.zeros(R, L, K), torch.zeros(R, L, K, dtype=torch.int64), N)
+    c = compile_launch(held[0].kernel, held[0].grid, held[0].args, held[0].kwargs, GPUTarget("cuda", 90, 32))
+    ops = sorted(set(re.findall(r"\\b(?:div|mul|sub|add|fma)\\.[a-z0-9.]*f32\\b", c.asm["ptx"])))
+    print(json.dumps(dict(N=N, ops=ops, **resource_usage(c.asm["cubin"]))))
+"""
+
+
+def test_triton_kernel_compiles_for_sm90():
+    """The interpreter accepts code the compiler rejects: compile the op's own
+    launches for sm_90 with Triton's bundled ptxas (no GPU needed). Its only
+    float arithmetic is the reference's one add per node (no ftz, nothing to
+    fuse), and nothing spills, up to N = 255."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and len(rows) == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for row in rows:
+        assert row["ops"] == ["add.f32"], row
+        assert row.get("local", 0) == 0, row
 
 
 # ----------------------------------------------------------------- the adapter
