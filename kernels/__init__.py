@@ -12,6 +12,8 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``verify_tree_greedy`` greedy tree walk: accepted path, length, emitted tokens.
 * ``verify_tree_sampling`` the same walk for temperature > 0: target-only recursive
                          rejection with caller-supplied randoms (exact in distribution).
+* ``build_block_tree``   DDTree: best-first tree over a block drafter's per-position top-K
+                         (``block_tree.py``; ``BlockTree``, ``block_tree_capacity``).
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
 * ``mask_bytes_per_request`` memory of each mask mode.
 * ``TreeShape``          (num_steps, topk, num_draft_tokens), validated; ``TreeShape.parse("5,4,8")``.
@@ -46,6 +48,7 @@ from .api import (
     verify_tree_greedy,
     verify_tree_sampling,
 )
+from .block_tree import BlockTree, block_tree_capacity, build_block_tree, validate_block_tree_shape
 from .modes import TreeMaskMode, mask_bytes_per_request, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
 from .startup import prepare
@@ -66,11 +69,14 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BlockTree",
     "TreeAttentionPlan",
     "TreeBuild",
     "TreeMaskMode",
     "TreeShape",
     "VerifyResult",
+    "block_tree_capacity",
+    "build_block_tree",
     "build_tree",
     "mask_bytes_per_request",
     "move_accepted_kv",
@@ -83,6 +89,7 @@ __all__ = [
     "select_tree_nodes",
     "tree_attention",
     "tree_from_parents",
+    "validate_block_tree_shape",
     "validate_tree_shape",
     "verify_tree_greedy",
     "verify_tree_sampling",

@@ -6,6 +6,8 @@ same expansion serves the vLLM adapter (vLLM's own EAGLE model, branch KV in a
 scratch tensor read by tree-aware attention) and the HF reference decoder
 (``EagleHead`` with a dense KV cache). ``select_trees`` then picks the
 ``num_draft_tokens - 1`` best candidates of each pool, ancestor-closed.
+``block_trees`` builds DDTree's trees from a block drafter's per-position
+top-K instead (one forward, no callback).
 
 Pool layout (SGLang's): level 1 holds the K children of the root; every later
 level holds K children of each of the K survivors of the level before (K^2
@@ -162,6 +164,30 @@ def chain_trees(pool_tokens: torch.Tensor, num_nodes: int) -> DraftTrees:
     parents = torch.arange(-1, num_nodes - 1, device=pool_tokens.device).expand(R, num_nodes)
     return DraftTrees(tokens=pool_tokens[:, : num_nodes - 1], parents=parents,
                       top1=torch.ones(R, num_nodes, dtype=torch.bool, device=pool_tokens.device))
+
+
+def block_topk(block_logits: torch.Tensor, topk: int,
+               draft_to_target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block drafter's forward [R, L, V_draft] logits (position i: the token
+    i + 1 places after the last committed one) -> (log-probs [R, L, K]
+    float32 sorted descending, target token ids [R, L, K] int64): the inputs
+    of ``block_trees``. draft_to_target [V_draft] int64 maps a reduced draft
+    vocabulary (None: the same vocabulary)."""
+    values, ids = block_logits.float().log_softmax(-1).topk(topk, dim=-1)
+    return values, (ids if draft_to_target is None else draft_to_target[ids])
+
+
+def block_trees(logprobs_topk: torch.Tensor, tokens_topk: torch.Tensor, num_nodes: int,
+                impl: str = "auto") -> DraftTrees:
+    """DDTree (arXiv 2604.12989) trees of ``num_nodes`` drafts for R requests
+    from one block-drafter forward: logprobs_topk / tokens_topk [R, L, K]
+    (``block_topk``), built best-first by path probability
+    (``spec_tree_kernels.build_block_tree``: ancestor-closed, BFS order, no
+    host read). top1 marks each position's rank-0 token, i.e. the node is its
+    parent's most likely child: the top1 nodes from the root down are the
+    drafter's own chain (``chain_counterfactual`` applies unchanged)."""
+    tree = stk.build_block_tree(logprobs_topk, tokens_topk, num_nodes, impl=impl)
+    return DraftTrees(tokens=tree.tokens, parents=tree.parents, top1=tree.ranks == 0)
 
 
 def _noop_timer(key: str, dt: float) -> None:
