@@ -154,6 +154,37 @@ def check_unpadded_verify_batches(backend_name: str) -> None:
         raise ValueError(f"{ALGORITHM_NAME}: attention backend {backend_name!r} does not support --enable-two-batch-overlap")
 
 
+GLUE_GRAPH_ENV = "SGLANG_ENABLE_METADATA_GLUE_GRAPH"
+
+
+def _stream_capturing() -> bool:
+    """Whether the current CUDA stream is recording a graph (False in a build without CUDA)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError):  # torch without CUDA
+        return False
+
+
+class GraphCaptureRefused(RuntimeError):
+    """Our verify prep was called under a CUDA graph capture."""
+
+
+def refuse_stream_capture(backend_name: str) -> None:
+    """The verify prep runs outside every graph: it narrows its block-table copy
+    by the host-side lengths each step, so a recording would replay the
+    capture's width (wrong KV slots once contexts grow past it). SGLang's
+    metadata glue graph (``SGLANG_ENABLE_METADATA_GLUE_GRAPH=1``) records the
+    replay prep (``MetadataGlueGraph.run``); on a capture failure it falls back
+    to the eager prep for good, which is what this refusal gets: ours is
+    prepared eagerly every step, the draft runners keep their glue graphs."""
+    if _stream_capturing():
+        raise GraphCaptureRefused(
+            f"{ALGORITHM_NAME}: attention backend {backend_name!r} prepares target verify outside CUDA graphs "
+            f"(its block-table copy is sized from the host-side lengths each step); not capturing it into "
+            f"{GLUE_GRAPH_ENV}'s metadata glue graph, SGLang prepares it eagerly"
+        )
+
+
 class TreeVerifyMixin:
     """Target verify through a ``TreeAttentionPlan``; everything else is the parent's."""
 
@@ -232,6 +263,7 @@ class TreeVerifyMixin:
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         if forward_batch.forward_mode.is_target_verify():
+            refuse_stream_capture(self.backend_name)
             self._tree_meta = self.graph_verify_metadata(forward_batch, in_capture)
             return None
         return super().init_forward_metadata_out_graph(forward_batch, in_capture)
