@@ -13,7 +13,8 @@ seq_len + T - 1`` exactly as ``eagle_prepare_for_verify`` allocated them.
 The backend exposes SGLang's verify-mask interface (``verify_mask``: a
 ``VerifyMask`` with our ``mode``), so ``build_eagle_verify_input`` builds the
 layout this backend reads into its buffer. Modes read: ANCESTOR_BITMASK
-(default), PARENT_POINTER, QLEN_ONLY (``SPEC_PLUGINS_TREE_MASK_MODE``).
+(default), PARENT_POINTER, QLEN_ONLY (``--speculative-tree-mask-mode``, else
+``SPEC_PLUGINS_TREE_MASK_MODE``).
 
 CUDA graphs (``spec_tree_triton``): SGLang's decode graph runner captures
 TARGET_VERIFY through the entry points below. Everything that needs the host
@@ -48,7 +49,7 @@ from spec_tree_kernels import TreeMaskMode, resolve_impl
 from spec_tree_kernels.attention_plan import TreeAttentionPlan
 from spec_tree_kernels.modes import MODES, TREE_ATTENTION_MODES, empty_tree_mask, mask_dtype
 
-from .config import ALGORITHM_NAME, BACKEND_TORCH, requested_mask_mode, resolve_mask_mode
+from .config import ALGORITHM_NAME, BACKEND_TORCH, mask_mode_source, requested_mask_mode, resolve_mask_mode
 
 
 class TreeGraphState(NamedTuple):
@@ -202,7 +203,12 @@ class TreeVerifyMixin:
             check_target_layers(getattr(model_runner, "model", None), self.backend_name)
             check_unpadded_verify_batches(self.backend_name)
         self.tree_is_draft = bool(getattr(model_runner, "is_draft_worker", False))
-        self.tree_mask_mode = resolve_mask_mode(requested_mask_mode(), self.backend_name)
+        from .algorithm import published_mask_mode_flag
+
+        flag = published_mask_mode_flag()
+        self.tree_mask_mode = resolve_mask_mode(
+            requested_mask_mode(flag=flag), self.backend_name, mask_mode_source(flag)
+        )
         self.tree_max_bs = model_runner.req_to_token_pool.size
         self.tree_num_draft_tokens = _spec_num_draft_tokens()
         self._tree_meta: Optional[TreeVerifyMeta] = None

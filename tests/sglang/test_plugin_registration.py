@@ -254,6 +254,77 @@ def test_attention_backends_registered_and_on_the_cli(ckpt):
     assert (view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (5, 4, 8)
 
 
+# ------------------------------- --speculative-tree-mask-mode (issue #53, item 5)
+
+
+def parse(ckpt, *extra, algorithm="EAGLE_TREE", backend="spec_tree"):
+    """SGLang's own CLI parsing (``prepare_server_args``), then its resolution."""
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = [
+        "--model-path", ckpt["target"], "--speculative-algorithm", algorithm,
+        "--speculative-draft-model-path", ckpt["eagle3_head"], "--attention-backend", backend,
+        "--device", "cpu", "--skip-tokenizer-init", *extra,
+    ]  # fmt: skip
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    return server_args
+
+
+def test_mask_mode_flag_on_sglangs_parser_wins_over_the_variable(ckpt, monkeypatch):
+    """The flag is on SGLang's parser (hooks on ServerArgs.add_cli_args /
+    from_cli_args, applied by the plugin registry), travels in the server
+    args to every process (pickled, as SGLang hands them to its schedulers),
+    and wins over SPEC_PLUGINS_TREE_MASK_MODE; the variable stays the fallback."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from spec_plugins.sglang_ext import worker
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert config.MASK_MODE_FLAG in parser.format_help()
+    monkeypatch.setenv(config.MASK_MODE_ENV, "QLEN_ONLY")
+    server_args = parse(ckpt, config.MASK_MODE_FLAG, "parent_pointer")
+    child = pickle.loads(pickle.dumps(server_args))  # what a scheduler process is handed
+    assert getattr(child, config.MASK_MODE_RECORD) == "parent_pointer"
+    _testing.publish(child)
+    try:
+        assert worker.configured_mask_mode() == config.TreeMaskMode.PARENT_POINTER  # the flag, not the variable
+        _testing.publish(parse(ckpt))  # no flag: the variable
+        assert worker.configured_mask_mode() == config.TreeMaskMode.QLEN_ONLY
+        monkeypatch.delenv(config.MASK_MODE_ENV)
+        assert worker.configured_mask_mode() == config.TreeMaskMode.ANCESTOR_BITMASK  # neither: the backend's default
+        # the flag overrides a variable the backend cannot read, in resolution and in the worker
+        monkeypatch.setenv(config.MASK_MODE_ENV, "FULL_MASK")
+        _testing.publish(parse(ckpt, config.MASK_MODE_FLAG, "3"))
+        assert worker.configured_mask_mode() == config.TreeMaskMode.ANCESTOR_BITMASK
+    finally:
+        monkeypatch.delenv(config.MASK_MODE_ENV, raising=False)
+        _testing.publish(resolve(ckpt))
+
+
+MASK_MODE_FLAG_ERRORS = [
+    pytest.param(("BOGUS",), {}, "--speculative-tree-mask-mode 'BOGUS': unknown tree mask mode 'BOGUS'; expected one "
+                 "of: FULL_MASK, QLEN_ONLY, QLEN_ONLY_BITPACKING, ANCESTOR_BITMASK, PARENT_POINTER", id="unknown"),
+    pytest.param(("full_mask",), {}, "--speculative-tree-mask-mode FULL_MASK: attention backend 'spec_tree' cannot "
+                 "read this tree mask; it reads ANCESTOR_BITMASK, PARENT_POINTER, QLEN_ONLY", id="backend-cannot-read"),
+    pytest.param(("ANCESTOR_BITMASK",), {"backend": "triton"}, "--speculative-tree-mask-mode ANCESTOR_BITMASK: "
+                 "attention backend 'triton' cannot read", id="sglang-backend-cannot-read"),
+    pytest.param(("parent_pointer",), {"algorithm": "EAGLE", "backend": "triton"},
+                 "--speculative-tree-mask-mode 'parent_pointer' applies to --speculative-algorithm EAGLE_TREE only",
+                 id="other-algorithm"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value,kwargs,message", MASK_MODE_FLAG_ERRORS)
+def test_mask_mode_flag_is_validated_at_resolution(ckpt, monkeypatch, value, kwargs, message):
+    monkeypatch.setenv(config.MASK_MODE_ENV, "PARENT_POINTER")  # valid: the error is the flag's
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse(ckpt, config.MASK_MODE_FLAG, *value, **kwargs)
+
+
 # ------------------------------------------------------------- resolution
 
 
