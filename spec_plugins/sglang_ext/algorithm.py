@@ -20,6 +20,7 @@ from .config import (
     MASK_MODE_FLAG,
     MASK_MODE_RECORD,
     OUR_BACKENDS,
+    check_torch_backend_device,
     detect_variant,
     mask_mode_source,
     requested_mask_mode,
@@ -320,6 +321,7 @@ def check_our_backend_flags(view, backend: str) -> None:
     """What our verify attention cannot serve, refused before any weights load."""
     from sglang.srt.runtime_context import attn_dp_enabled_of
 
+    check_torch_backend_device(backend, view.device)  # spec_tree on CUDA: use spec_tree_triton
     kv_dtype = str(view.kv_cache_dtype or "auto")
     if kv_dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"):
         raise ValueError(

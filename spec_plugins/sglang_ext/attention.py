@@ -1,6 +1,6 @@
 """Attention backends whose target-verify pass reads our compact tree masks.
 
-``spec_tree``         TorchNativeAttnBackend for prefill/decode (CPU or GPU).
+``spec_tree``         TorchNativeAttnBackend for prefill/decode (CPU; refused on CUDA).
 ``spec_tree_triton``  SGLang's TritonAttnBackend for prefill/decode (GPU).
 
 Both route TARGET_VERIFY through ``spec_tree_kernels.attention_plan``'s
@@ -49,7 +49,14 @@ from spec_tree_kernels import TreeMaskMode, resolve_impl
 from spec_tree_kernels.attention_plan import TreeAttentionPlan
 from spec_tree_kernels.modes import MODES, TREE_ATTENTION_MODES, empty_tree_mask, mask_dtype
 
-from .config import ALGORITHM_NAME, BACKEND_TORCH, mask_mode_source, requested_mask_mode, resolve_mask_mode
+from .config import (
+    ALGORITHM_NAME,
+    BACKEND_TORCH,
+    check_torch_backend_device,
+    mask_mode_source,
+    requested_mask_mode,
+    resolve_mask_mode,
+)
 
 
 class TreeGraphState(NamedTuple):
@@ -432,6 +439,8 @@ class TreeVerifyTorchNativeBackend(TreeVerifyMixin, TorchNativeAttnBackend):
     backend_name = BACKEND_TORCH
 
     def __init__(self, model_runner):
+        # resolution refuses it already (--device); this covers a runner on CUDA however it got there
+        check_torch_backend_device(BACKEND_TORCH, getattr(model_runner, "device", None))
         super().__init__(model_runner)
         self._init_tree_verify(model_runner)
 

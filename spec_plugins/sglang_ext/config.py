@@ -125,6 +125,33 @@ def resolve_mask_mode(
     return requested
 
 
+# Device types on which ``spec_tree`` (the torch verify) is refused: its torch
+# path materialises fp32 scores of [batch, heads, T, context] per layer (about
+# 1.6 GB a layer at batch 48 x 8k context), a size SGLang's memory profile does
+# not see; ``spec_tree_triton`` serves those devices with split-KV kernels.
+TORCH_BACKEND_REFUSED_DEVICES = ("cuda",)
+
+
+def device_type(device) -> str:
+    """``"cuda"`` for ``cuda``, ``cuda:1``, ``torch.device("cuda", 0)``; ``""`` for None."""
+    if device is None:
+        return ""
+    return str(getattr(device, "type", device)).split(":", 1)[0].lower()
+
+
+def check_torch_backend_device(backend: Optional[str], device) -> None:
+    """Refuse ``spec_tree`` on CUDA, naming ``spec_tree_triton`` (ValueError).
+    ``device``: the server's device (``--device``, as SGLang resolved it) or the
+    model runner's; a string or ``torch.device``."""
+    kind = device_type(device)
+    if backend == BACKEND_TORCH and kind in TORCH_BACKEND_REFUSED_DEVICES:
+        raise ValueError(
+            f"{ALGORITHM_NAME}: --attention-backend {BACKEND_TORCH} is not served on {kind} (its torch tree verify "
+            f"builds fp32 buffers of batch x heads x draft tokens x context per layer, about 1.6 GB a layer at "
+            f"batch 48 x 8k context); use --attention-backend {BACKEND_TRITON} on a GPU"
+        )
+
+
 def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> TreeShape:
     """Startup check of the draft-tree shape against the mask mode and the
     selection pool (ValueError with the offending flag); the shape."""
@@ -179,8 +206,11 @@ __all__ = [
     "MAX_TREE_NODES",
     "OUR_BACKENDS",
     "OUR_BACKEND_MODES",
+    "TORCH_BACKEND_REFUSED_DEVICES",
     "VARIANT_ENV",
+    "check_torch_backend_device",
     "detect_variant",
+    "device_type",
     "mask_mode_source",
     "readable_modes",
     "requested_mask_mode",

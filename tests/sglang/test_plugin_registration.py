@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -356,9 +357,38 @@ def test_cuda_graphs_stay_enabled_with_spec_tree_triton(ckpt, head):
     assert ours.cuda_graph_config.prefill.backend == sglangs.cuda_graph_config.prefill.backend
     assert ours.cuda_graph_config == sglangs.cuda_graph_config
     assert ours.speculative_draft_attention_backend == "triton"  # SGLang's Triton backend runs the draft
-    # spec_tree (torch verify) turns them off
-    torch_view = resolved_view(resolve(ckpt, head=head, attention_backend=config.BACKEND_TORCH, device="cuda"))
+    # spec_tree (torch verify) turns them off (on the CPU: it is refused on CUDA, issue #53 item 4)
+    torch_view = resolved_view(resolve(ckpt, head=head, attention_backend=config.BACKEND_TORCH, device="cpu"))
     assert torch_view.cuda_graph_config.decode.backend == torch_view.cuda_graph_config.prefill.backend == "disabled"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_spec_tree_is_refused_on_cuda_naming_spec_tree_triton(ckpt, device):
+    """Issue #53, item 4: spec_tree's torch verify builds fp32 buffers of
+    batch x heads x T x context per layer (about 1.6 GB a layer at batch 48 x
+    8k context) outside SGLang's memory profile; on CUDA it is refused where
+    SGLang resolves the arguments (its --device, as SGLang resolved it; no
+    CUDA needed to decide), and by the backend itself for a runner on CUDA
+    (a fake runner: only its device is read, before anything is built)."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import prepare_server_args
+
+    message = "--attention-backend spec_tree is not served on cuda.*use --attention-backend spec_tree_triton"
+    with pytest.raises(ValueError, match=message):
+        resolve(ckpt, attention_backend=config.BACKEND_TORCH, device=device)
+    argv = [
+        "--model-path", ckpt["target"], "--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path",
+        ckpt["eagle3_head"], "--attention-backend", "spec_tree", "--device", device, "--skip-tokenizer-init",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        prepare_server_args(argv).resolve_once()
+    with pytest.raises(ValueError, match=message):
+        ATTENTION_BACKENDS[config.BACKEND_TORCH](types.SimpleNamespace(device=device))
+    with pytest.raises(ValueError, match=message):
+        ATTENTION_BACKENDS[config.BACKEND_TORCH](types.SimpleNamespace(device=torch.device(device)))
+    # the CPU keeps it; spec_tree_triton serves CUDA
+    assert resolved_view(resolve(ckpt, attention_backend=config.BACKEND_TORCH, device="cpu")).attention_backend == "spec_tree"
+    resolve(ckpt, attention_backend=config.BACKEND_TRITON, device=device)
 
 
 def test_resolution_with_sglang_backend_keeps_its_mode(ckpt, monkeypatch):
@@ -472,17 +502,19 @@ def readme_graph_table() -> dict:
 
 def test_readme_graph_table_matches_resolution_and_backends(ckpt):
     """Each row: the modes the backend reads (config), and graphs on / off as
-    resolution leaves them for a GPU server: draft decode and draft extend
-    follow the DECODE phase (eagle_worker_v2._capture_cuda_graphs), target
-    verify is the target's decode graph runner, on our backend only where it
-    has the capture entry points and is not graphless."""
+    resolution leaves them for a GPU server (``spec_tree``, refused on CUDA:
+    for a CPU server): draft decode and draft extend follow the DECODE phase
+    (eagle_worker_v2._capture_cuda_graphs), target verify is the target's
+    decode graph runner, on our backend only where it has the capture entry
+    points and is not graphless."""
     from spec_plugins.sglang_ext.attention import TreeVerifyMixin
 
     rows = readme_graph_table()
     assert {config.BACKEND_TRITON, config.BACKEND_TORCH, "flashinfer", "triton", "fa3"} <= set(rows)
     for backend, (modes, graphs) in rows.items():
         assert modes == [m.name for m in config.readable_modes(backend)], backend
-        view = resolved_view(resolve(ckpt, attention_backend=backend, device="cuda"))
+        device = "cpu" if backend in config.GRAPHLESS_BACKENDS else "cuda"
+        view = resolved_view(resolve(ckpt, attention_backend=backend, device=device))
         decode_on = view.cuda_graph_config.decode.backend != "disabled"
         expected = ["on" if decode_on else "off"] * 3
         if backend in config.OUR_BACKENDS:
