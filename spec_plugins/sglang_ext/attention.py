@@ -406,6 +406,11 @@ class TreeVerifyMixin:
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         return self.forward_target_verify(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
+    # Out of dynamo (--enable-torch-compile compiles the model forward, and with it the
+    # attention layers' backend calls): the plan's work is sized on the host and launches
+    # Triton kernels, as SGLang's TritonAttnBackend keeps its kernel calls out with
+    # torch.compiler.disable. Under a CUDA graph the call is recorded like any other.
+    @torch.compiler.disable
     def forward_target_verify(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         unsupported = [name for name in ("sinks", "score_mod", "aux_tensors") if kwargs.get(name) is not None]
         if layer.is_cross_attention or layer.sliding_window_size > -1 or (layer.logit_cap or 0) > 0 or unsupported:

@@ -408,3 +408,58 @@ def test_padded_or_split_verify_batches_are_refused_at_startup(published, tmp_pa
             make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)
     finally:
         _testing.publish(published)  # the module's configuration, for the tests after this one
+
+
+# ------------------------------------- --enable-torch-compile (issue #53, item 3)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_verify_attention_is_kept_out_of_dynamo(published, monkeypatch, impl):
+    """``--enable-torch-compile`` compiles the model forward (SGLang's decode
+    graph runner on a GPU, its CPU graph runner on a CPU); the attention
+    layers reach the backend through ``RadixAttention.forward`` ->
+    ``get_attn_backend().forward``. SGLang's own Triton backend keeps its
+    kernel calls out of dynamo (``torch.compiler.disable``); ours keeps the
+    tree verify out the same way, so dynamo never traces our plan (host-sized
+    work, Triton launches): inside it ``torch.compiler.is_compiling()`` is
+    False, and the compiled forward equals the eager one. Real: SGLang's
+    RadixAttention and forward context, torch.compile (dynamo; the ``eager``
+    compiler backend, as no C++ or GPU compile is needed for the question)."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from spec_tree_kernels.attention_plan import TreeAttentionPlan
+
+    gen = torch.Generator().manual_seed(53)
+    backend, runner = make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK, impl)
+    bs = 2
+    ctx, rows, slots, out_cache_loc = setup_batch(gen, runner, bs, NODES)
+    verify_input, parents = verify_input_via_sglang(backend, gen, ctx, rows, runner)
+    fb = verify_forward_batch(ctx, rows, out_cache_loc, verify_input)
+    layer = RadixAttention(num_heads=HQ, head_dim=DIM, scaling=DIM**-0.5, num_kv_heads=HKV, layer_id=0)
+    q = torch.randn(bs * NODES, HQ * DIM, generator=gen)
+    k = torch.randn(bs * NODES, HKV * DIM, generator=gen)
+    v = torch.randn(bs * NODES, HKV * DIM, generator=gen)
+    expected = dense_reference(q, k.view(-1, HKV, DIM), v.view(-1, HKV, DIM), runner.token_to_kv_pool, 0, slots,
+                               ctx, parents, DIM**-0.5)  # fmt: skip
+
+    compiling = []
+    run = TreeAttentionPlan.run
+
+    def spy(self, *args, **kwargs):
+        compiling.append(torch.compiler.is_compiling())
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(TreeAttentionPlan, "run", spy)
+
+    def model_forward(q, k, v):  # what a model's attention layer does (qkv projections elided)
+        return layer(q, k, v, fb) * 1.0
+
+    torch._dynamo.reset()
+    try:
+        with forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):
+            backend.init_forward_metadata(fb)
+            out = torch.compile(model_forward, backend="eager")(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    assert compiling and not any(compiling), f"dynamo traced the tree verify: is_compiling() = {compiling}"
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
