@@ -379,9 +379,34 @@ class TreeVerifyMixin:
             # read, only where SGLang keeps no host copy (the CPU path: no sync to speak of).
             longest = int(forward_batch.seq_lens.max())
         rows = self._block_table_rows(forward_batch.req_pool_indices, self._used_width(longest, nodes))
-        mask, mode = self._mask_view(spec.custom_mask, bs, nodes)
+        mask, mode = self._mask_view(self._step_mask(spec, bs, nodes), bs, nodes)
         plan = TreeAttentionPlan.create(rows, forward_batch.seq_lens, mask, mode, nodes, 1, longest, impl=impl)
         return TreeVerifyMeta(plan, bs, nodes)
+
+    def _step_mask(self, spec, bs: int, nodes: int) -> torch.Tensor:
+        """The verify input's mask, or ours in place of SGLang's placeholder.
+
+        SGLang's dummy verify (``create_dummy_verify_input``: the warm-up's
+        ``BaseRunner._dummy_run``, run on CUDA for FlashInfer's autotune with
+        ModelOpt FP8/FP4 targets and flashinfer MoE runners) drafts no tree
+        (``draft_token`` None) and hands its FULL_MASK placeholder, a bool
+        buffer of ones, whatever mode the backend reads. Its outputs are not
+        read: the dummy attends through the backend's own mask buffer (zeroed
+        at allocation, or a real step's valid masks), as the graph capture does."""
+        custom_mask = spec.custom_mask
+        placeholder = (
+            nodes > 1
+            and getattr(spec, "draft_token", None) is None
+            and custom_mask is not None
+            and custom_mask.dtype == torch.bool
+            and mask_dtype(self.tree_mask_mode, nodes) != torch.bool
+        )
+        if not placeholder:
+            return custom_mask
+        own = self._tree_verify_mask
+        if own is not None and own.max_bs >= bs and nodes == self.tree_num_draft_tokens:
+            return own.buffer
+        return allocate_verify_mask(self.tree_mask_mode, bs, nodes, custom_mask.device)
 
     def _mask_view(self, custom_mask: torch.Tensor, bs: int, nodes: int):
         if nodes == 1:  # a one-node tree (speculative_num_steps == 0): the root sees itself
