@@ -29,6 +29,11 @@ seeds, seq_lens and min-p to our drop-in; relaxed accept thresholds are
 refused (startup: ``algorithm``; runtime updates: ``_threshold_update_hook``).
 Details next to ``verify_tree_sampling_sglang_layout``.
 
+``--speculative-tree-mask-mode``: AROUND hooks on ``ServerArgs.add_cli_args``
+(the flag on SGLang's parser) and ``ServerArgs.from_cli_args`` (its value
+carried in the server args, ``config.MASK_MODE_RECORD``), active in every
+process; validated by ``algorithm.resolve_eagle_tree``.
+
 The layout translations (SGLang's lists, tuples and flat indices <-> our ops'
 arrays) live in ``layout``; registration with SGLang in ``registration``.
 """
