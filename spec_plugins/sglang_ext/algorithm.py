@@ -17,8 +17,12 @@ from . import name_keyed_features
 from .config import (
     ALGORITHM_NAME,
     GRAPHLESS_BACKENDS,
+    MASK_MODE_FLAG,
+    MASK_MODE_RECORD,
     OUR_BACKENDS,
+    check_torch_backend_device,
     detect_variant,
+    mask_mode_source,
     requested_mask_mode,
     requested_variant,
     resolve_mask_mode,
@@ -108,6 +112,18 @@ def published_variant() -> str:
     return variant
 
 
+def published_mask_mode_flag():
+    """``--speculative-tree-mask-mode`` as given to the server arguments this
+    process was handed (None: not given, or none published)."""
+    from sglang.srt.runtime_context import get_context
+
+    try:
+        server_args = get_context().server_args
+    except ValueError:
+        return None
+    return getattr(server_args, MASK_MODE_RECORD, None)
+
+
 def read_draft_architectures(view) -> list:
     """The draft head's ``architectures``, read with the arguments SGLang loads
     the draft model's config with (``ModelConfig.from_server_args`` for a
@@ -159,6 +175,12 @@ def handle_speculative_decoding_hook(server_args, previous):
 
     cfg = resolving_view(server_args)
     if cfg.speculative_algorithm is None or cfg.speculative_algorithm.upper() != ALGORITHM_NAME:
+        flag = getattr(server_args, MASK_MODE_RECORD, None)
+        if flag is not None:
+            raise ValueError(
+                f"{MASK_MODE_FLAG} {flag!r} applies to --speculative-algorithm {ALGORITHM_NAME} only "
+                f"(got --speculative-algorithm {cfg.speculative_algorithm})"
+            )
         previous(server_args)
         return
     check_flags_before_eagle_family(cfg)
@@ -195,13 +217,16 @@ def resolve_eagle_tree(server_args, variant: str) -> None:
     from sglang.srt.arg_groups.overrides import resolved_view
     from sglang.srt.arg_groups.speculative_hook import _handle_eagle_family
 
-    mask_mode_request = requested_mask_mode()  # an unknown mode fails before SGLang's own checks
+    # --speculative-tree-mask-mode, else SPEC_PLUGINS_TREE_MASK_MODE: an unknown mode fails
+    # before SGLang's own checks, naming the flag (or the variable) and the allowed values
+    flag = getattr(server_args, MASK_MODE_RECORD, None)
+    mask_mode_request = requested_mask_mode(flag=flag)
 
     _handle_eagle_family(server_args)
 
     view = resolved_view(server_args)
     backend = checked_verify_backend(view)
-    mode = resolve_mask_mode(mask_mode_request, backend)
+    mode = resolve_mask_mode(mask_mode_request, backend, mask_mode_source(flag))
     validate_tree(view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens, mode)
     if backend in OUR_BACKENDS:
         check_our_backend_flags(view, backend)
@@ -296,6 +321,7 @@ def check_our_backend_flags(view, backend: str) -> None:
     """What our verify attention cannot serve, refused before any weights load."""
     from sglang.srt.runtime_context import attn_dp_enabled_of
 
+    check_torch_backend_device(backend, view.device)  # spec_tree on CUDA: use spec_tree_triton
     kv_dtype = str(view.kv_cache_dtype or "auto")
     if kv_dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"):
         raise ValueError(

@@ -1,6 +1,6 @@
 """Attention backends whose target-verify pass reads our compact tree masks.
 
-``spec_tree``         TorchNativeAttnBackend for prefill/decode (CPU or GPU).
+``spec_tree``         TorchNativeAttnBackend for prefill/decode (CPU; refused on CUDA).
 ``spec_tree_triton``  SGLang's TritonAttnBackend for prefill/decode (GPU).
 
 Both route TARGET_VERIFY through ``spec_tree_kernels.attention_plan``'s
@@ -13,7 +13,8 @@ seq_len + T - 1`` exactly as ``eagle_prepare_for_verify`` allocated them.
 The backend exposes SGLang's verify-mask interface (``verify_mask``: a
 ``VerifyMask`` with our ``mode``), so ``build_eagle_verify_input`` builds the
 layout this backend reads into its buffer. Modes read: ANCESTOR_BITMASK
-(default), PARENT_POINTER, QLEN_ONLY (``SPEC_PLUGINS_TREE_MASK_MODE``).
+(default), PARENT_POINTER, QLEN_ONLY (``--speculative-tree-mask-mode``, else
+``SPEC_PLUGINS_TREE_MASK_MODE``).
 
 CUDA graphs (``spec_tree_triton``): SGLang's decode graph runner captures
 TARGET_VERIFY through the entry points below. Everything that needs the host
@@ -48,7 +49,14 @@ from spec_tree_kernels import TreeMaskMode, resolve_impl
 from spec_tree_kernels.attention_plan import TreeAttentionPlan
 from spec_tree_kernels.modes import MODES, TREE_ATTENTION_MODES, empty_tree_mask, mask_dtype
 
-from .config import ALGORITHM_NAME, BACKEND_TORCH, requested_mask_mode, resolve_mask_mode
+from .config import (
+    ALGORITHM_NAME,
+    BACKEND_TORCH,
+    check_torch_backend_device,
+    mask_mode_source,
+    requested_mask_mode,
+    resolve_mask_mode,
+)
 
 
 class TreeGraphState(NamedTuple):
@@ -154,6 +162,37 @@ def check_unpadded_verify_batches(backend_name: str) -> None:
         raise ValueError(f"{ALGORITHM_NAME}: attention backend {backend_name!r} does not support --enable-two-batch-overlap")
 
 
+GLUE_GRAPH_ENV = "SGLANG_ENABLE_METADATA_GLUE_GRAPH"
+
+
+def _stream_capturing() -> bool:
+    """Whether the current CUDA stream is recording a graph (False in a build without CUDA)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError):  # torch without CUDA
+        return False
+
+
+class GraphCaptureRefused(RuntimeError):
+    """Our verify prep was called under a CUDA graph capture."""
+
+
+def refuse_stream_capture(backend_name: str) -> None:
+    """The verify prep runs outside every graph: it narrows its block-table copy
+    by the host-side lengths each step, so a recording would replay the
+    capture's width (wrong KV slots once contexts grow past it). SGLang's
+    metadata glue graph (``SGLANG_ENABLE_METADATA_GLUE_GRAPH=1``) records the
+    replay prep (``MetadataGlueGraph.run``); on a capture failure it falls back
+    to the eager prep for good, which is what this refusal gets: ours is
+    prepared eagerly every step, the draft runners keep their glue graphs."""
+    if _stream_capturing():
+        raise GraphCaptureRefused(
+            f"{ALGORITHM_NAME}: attention backend {backend_name!r} prepares target verify outside CUDA graphs "
+            f"(its block-table copy is sized from the host-side lengths each step); not capturing it into "
+            f"{GLUE_GRAPH_ENV}'s metadata glue graph, SGLang prepares it eagerly"
+        )
+
+
 class TreeVerifyMixin:
     """Target verify through a ``TreeAttentionPlan``; everything else is the parent's."""
 
@@ -171,7 +210,12 @@ class TreeVerifyMixin:
             check_target_layers(getattr(model_runner, "model", None), self.backend_name)
             check_unpadded_verify_batches(self.backend_name)
         self.tree_is_draft = bool(getattr(model_runner, "is_draft_worker", False))
-        self.tree_mask_mode = resolve_mask_mode(requested_mask_mode(), self.backend_name)
+        from .algorithm import published_mask_mode_flag
+
+        flag = published_mask_mode_flag()
+        self.tree_mask_mode = resolve_mask_mode(
+            requested_mask_mode(flag=flag), self.backend_name, mask_mode_source(flag)
+        )
         self.tree_max_bs = model_runner.req_to_token_pool.size
         self.tree_num_draft_tokens = _spec_num_draft_tokens()
         self._tree_meta: Optional[TreeVerifyMeta] = None
@@ -232,6 +276,7 @@ class TreeVerifyMixin:
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         if forward_batch.forward_mode.is_target_verify():
+            refuse_stream_capture(self.backend_name)
             self._tree_meta = self.graph_verify_metadata(forward_batch, in_capture)
             return None
         return super().init_forward_metadata_out_graph(forward_batch, in_capture)
@@ -334,9 +379,34 @@ class TreeVerifyMixin:
             # read, only where SGLang keeps no host copy (the CPU path: no sync to speak of).
             longest = int(forward_batch.seq_lens.max())
         rows = self._block_table_rows(forward_batch.req_pool_indices, self._used_width(longest, nodes))
-        mask, mode = self._mask_view(spec.custom_mask, bs, nodes)
+        mask, mode = self._mask_view(self._step_mask(spec, bs, nodes), bs, nodes)
         plan = TreeAttentionPlan.create(rows, forward_batch.seq_lens, mask, mode, nodes, 1, longest, impl=impl)
         return TreeVerifyMeta(plan, bs, nodes)
+
+    def _step_mask(self, spec, bs: int, nodes: int) -> torch.Tensor:
+        """The verify input's mask, or ours in place of SGLang's placeholder.
+
+        SGLang's dummy verify (``create_dummy_verify_input``: the warm-up's
+        ``BaseRunner._dummy_run``, run on CUDA for FlashInfer's autotune with
+        ModelOpt FP8/FP4 targets and flashinfer MoE runners) drafts no tree
+        (``draft_token`` None) and hands its FULL_MASK placeholder, a bool
+        buffer of ones, whatever mode the backend reads. Its outputs are not
+        read: the dummy attends through the backend's own mask buffer (zeroed
+        at allocation, or a real step's valid masks), as the graph capture does."""
+        custom_mask = spec.custom_mask
+        placeholder = (
+            nodes > 1
+            and getattr(spec, "draft_token", None) is None
+            and custom_mask is not None
+            and custom_mask.dtype == torch.bool
+            and mask_dtype(self.tree_mask_mode, nodes) != torch.bool
+        )
+        if not placeholder:
+            return custom_mask
+        own = self._tree_verify_mask
+        if own is not None and own.max_bs >= bs and nodes == self.tree_num_draft_tokens:
+            return own.buffer
+        return allocate_verify_mask(self.tree_mask_mode, bs, nodes, custom_mask.device)
 
     def _mask_view(self, custom_mask: torch.Tensor, bs: int, nodes: int):
         if nodes == 1:  # a one-node tree (speculative_num_steps == 0): the root sees itself
@@ -361,6 +431,11 @@ class TreeVerifyMixin:
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         return self.forward_target_verify(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
+    # Out of dynamo (--enable-torch-compile compiles the model forward, and with it the
+    # attention layers' backend calls): the plan's work is sized on the host and launches
+    # Triton kernels, as SGLang's TritonAttnBackend keeps its kernel calls out with
+    # torch.compiler.disable. Under a CUDA graph the call is recorded like any other.
+    @torch.compiler.disable
     def forward_target_verify(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         unsupported = [name for name in ("sinks", "score_mod", "aux_tensors") if kwargs.get(name) is not None]
         if layer.is_cross_attention or layer.sliding_window_size > -1 or (layer.logit_cap or 0) > 0 or unsupported:
@@ -394,6 +469,8 @@ class TreeVerifyTorchNativeBackend(TreeVerifyMixin, TorchNativeAttnBackend):
     backend_name = BACKEND_TORCH
 
     def __init__(self, model_runner):
+        # resolution refuses it already (--device); this covers a runner on CUDA however it got there
+        check_torch_backend_device(BACKEND_TORCH, getattr(model_runner, "device", None))
         super().__init__(model_runner)
         self._init_tree_verify(model_runner)
 

@@ -5,12 +5,15 @@ rules can be read (and unit-tested) without the engine.
 
 User-facing knobs (all read at startup; the scheduler processes inherit them):
 
-``SPEC_PLUGINS_TREE_MASK_MODE``
+``--speculative-tree-mask-mode`` (server flag), else ``SPEC_PLUGINS_TREE_MASK_MODE``
     Tree-mask layout the worker builds for the verify pass: FULL_MASK,
     QLEN_ONLY, QLEN_ONLY_BITPACKING, ANCESTOR_BITMASK or PARENT_POINTER (name,
-    any case, or the integer value). Unset: the layout the target attention
-    backend reads (ANCESTOR_BITMASK for ours, SGLang's own default for
-    SGLang's backends).
+    any case, or the integer value). The flag wins over the variable. Neither:
+    the layout the target attention backend reads (ANCESTOR_BITMASK for ours,
+    SGLang's own default for SGLang's backends). The flag is added to SGLang's
+    parser by hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``
+    (``engine_patches``) and carried in the server args (``MASK_MODE_RECORD``)
+    to every process.
 ``SPEC_PLUGINS_EAGLE_TREE_VARIANT``
     EAGLE or EAGLE3. Unset: detected from the draft head's config
     (``architectures`` naming ``Eagle3``). Either way decided once, where the
@@ -32,6 +35,12 @@ from spec_tree_kernels.modes import DEFAULT_TREE_ATTENTION_MODE, MAX_TREE_NODES,
 TESTED_SGLANG = ("0.5.23",)  # releases whose internals engine_patches.SEAMS was read from
 ALGORITHM_NAME = "EAGLE_TREE"
 MASK_MODE_ENV = "SPEC_PLUGINS_TREE_MASK_MODE"
+MASK_MODE_FLAG = "--speculative-tree-mask-mode"
+MASK_MODE_DEST = "speculative_tree_mask_mode"  # the flag's argparse destination
+# A bookkeeping attribute of ServerArgs (underscore, not a field: SGLang's
+# ServerArgs has no field of ours; it pickles these with the record to its
+# processes): the flag's raw value, None when not given.
+MASK_MODE_RECORD = "_spec_plugins_tree_mask_mode"
 VARIANT_ENV = "SPEC_PLUGINS_EAGLE_TREE_VARIANT"
 VARIANTS = SGLANG_ALGORITHMS  # ("EAGLE", "EAGLE3")
 
@@ -50,15 +59,30 @@ OUR_BACKEND_MODES = TREE_ATTENTION_MODES
 OUR_BACKEND_DEFAULT_MODE = DEFAULT_TREE_ATTENTION_MODE
 
 
-def requested_mask_mode(environ: Mapping[str, str] = os.environ) -> Optional[TreeMaskMode]:
-    """The mode named by ``SPEC_PLUGINS_TREE_MASK_MODE``, or None when unset."""
-    raw = environ.get(MASK_MODE_ENV, "").strip()
-    if not raw:
-        return None
+def _parse_requested(raw: str, source: str) -> TreeMaskMode:
     try:
         return parse_mask_mode(int(raw) if raw.lstrip("-").isdigit() else raw)
     except ValueError as err:
-        raise ValueError(f"{MASK_MODE_ENV}={raw!r}: {err}") from None
+        given = f"{source}={raw!r}" if source == MASK_MODE_ENV else f"{source} {raw!r}"
+        raise ValueError(f"{ALGORITHM_NAME}: {given}: {err}") from None
+
+
+def mask_mode_source(flag: Optional[str] = None) -> str:
+    """Where the requested mode comes from, as errors name it."""
+    return MASK_MODE_FLAG if flag is not None and str(flag).strip() else MASK_MODE_ENV
+
+
+def requested_mask_mode(environ: Mapping[str, str] = os.environ, flag: Optional[str] = None) -> Optional[TreeMaskMode]:
+    """The mode named by ``--speculative-tree-mask-mode`` (``flag``: its value,
+    None when not given), else by ``SPEC_PLUGINS_TREE_MASK_MODE``; None when
+    neither is set. ValueError naming the flag (or the variable) and the
+    allowed values for an unknown mode."""
+    if flag is not None and str(flag).strip():
+        return _parse_requested(str(flag).strip(), MASK_MODE_FLAG)
+    raw = environ.get(MASK_MODE_ENV, "").strip()
+    if not raw:
+        return None
+    return _parse_requested(raw, MASK_MODE_ENV)
 
 
 # SGLang 0.5.23's verify backends and the layout each reads: intel_amx (the
@@ -79,9 +103,12 @@ def readable_modes(verify_backend: Optional[str]) -> tuple[TreeMaskMode, ...]:
     return (sglang_backend_mode(verify_backend),)
 
 
-def resolve_mask_mode(requested: Optional[TreeMaskMode], verify_backend: Optional[str]) -> TreeMaskMode:
+def resolve_mask_mode(
+    requested: Optional[TreeMaskMode], verify_backend: Optional[str], source: str = MASK_MODE_ENV
+) -> TreeMaskMode:
     """The mode to build: the requested one if the verify backend reads it
-    (else ValueError naming what it reads), or the backend's default."""
+    (else ValueError naming ``source``, the flag or variable that asked for
+    it, and what the backend reads), or the backend's default."""
     allowed = readable_modes(verify_backend)
     if requested is None:
         return OUR_BACKEND_DEFAULT_MODE if verify_backend in OUR_BACKENDS else allowed[0]
@@ -92,10 +119,37 @@ def resolve_mask_mode(requested: Optional[TreeMaskMode], verify_backend: Optiona
             else ""
         )
         raise ValueError(
-            f"{MASK_MODE_ENV}={requested.name}: attention backend {verify_backend!r} cannot read this tree mask; "
+            f"{source}{'=' if source == MASK_MODE_ENV else ' '}{requested.name}: attention backend {verify_backend!r} cannot read this tree mask; "
             f"it reads {', '.join(m.name for m in allowed)}{hint}"
         )
     return requested
+
+
+# Device types on which ``spec_tree`` (the torch verify) is refused: its torch
+# path materialises fp32 scores of [batch, heads, T, context] per layer (about
+# 1.6 GB a layer at batch 48 x 8k context), a size SGLang's memory profile does
+# not see; ``spec_tree_triton`` serves those devices with split-KV kernels.
+TORCH_BACKEND_REFUSED_DEVICES = ("cuda",)
+
+
+def device_type(device) -> str:
+    """``"cuda"`` for ``cuda``, ``cuda:1``, ``torch.device("cuda", 0)``; ``""`` for None."""
+    if device is None:
+        return ""
+    return str(getattr(device, "type", device)).split(":", 1)[0].lower()
+
+
+def check_torch_backend_device(backend: Optional[str], device) -> None:
+    """Refuse ``spec_tree`` on CUDA, naming ``spec_tree_triton`` (ValueError).
+    ``device``: the server's device (``--device``, as SGLang resolved it) or the
+    model runner's; a string or ``torch.device``."""
+    kind = device_type(device)
+    if backend == BACKEND_TORCH and kind in TORCH_BACKEND_REFUSED_DEVICES:
+        raise ValueError(
+            f"{ALGORITHM_NAME}: --attention-backend {BACKEND_TORCH} is not served on {kind} (its torch tree verify "
+            f"builds fp32 buffers of batch x heads x draft tokens x context per layer, about 1.6 GB a layer at "
+            f"batch 48 x 8k context); use --attention-backend {BACKEND_TRITON} on a GPU"
+        )
 
 
 def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> TreeShape:
@@ -147,11 +201,17 @@ __all__ = [
     "BACKEND_TRITON",
     "GRAPHLESS_BACKENDS",
     "MASK_MODE_ENV",
+    "MASK_MODE_FLAG",
+    "MASK_MODE_RECORD",
     "MAX_TREE_NODES",
     "OUR_BACKENDS",
     "OUR_BACKEND_MODES",
+    "TORCH_BACKEND_REFUSED_DEVICES",
     "VARIANT_ENV",
+    "check_torch_backend_device",
     "detect_variant",
+    "device_type",
+    "mask_mode_source",
     "readable_modes",
     "requested_mask_mode",
     "requested_variant",

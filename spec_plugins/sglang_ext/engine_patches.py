@@ -29,6 +29,11 @@ seeds, seq_lens and min-p to our drop-in; relaxed accept thresholds are
 refused (startup: ``algorithm``; runtime updates: ``_threshold_update_hook``).
 Details next to ``verify_tree_sampling_sglang_layout``.
 
+``--speculative-tree-mask-mode``: AROUND hooks on ``ServerArgs.add_cli_args``
+(the flag on SGLang's parser) and ``ServerArgs.from_cli_args`` (its value
+carried in the server args, ``config.MASK_MODE_RECORD``), active in every
+process; validated by ``algorithm.resolve_eagle_tree``.
+
 The layout translations (SGLang's lists, tuples and flat indices <-> our ops'
 arrays) live in ``layout``; registration with SGLang in ``registration``.
 """
@@ -90,6 +95,10 @@ SEAMS: tuple[Seam, ...] = (
          "--attention-backend choices"),
     Seam("sglang.srt.plugins.hook_registry:HookRegistry", "srt/plugins/hook_registry.py",
          "AROUND hooks on the functions below"),
+    Seam("sglang.srt.server_args:ServerArgs.add_cli_args", "srt/server_args.py",
+         "AROUND: add --speculative-tree-mask-mode to SGLang's parser"),
+    Seam("sglang.srt.server_args:ServerArgs.from_cli_args", "srt/server_args.py",
+         "AROUND: carry --speculative-tree-mask-mode in the server args (a bookkeeping attribute)"),
     # the worker
     Seam("sglang.srt.speculative.eagle_worker_v2:EAGLEWorkerV2", "srt/speculative/eagle_worker_v2.py",
          "subclassed: EagleTreeWorker"),
@@ -180,6 +189,8 @@ HOOK_USES_GREEDY = "sglang.srt.speculative.eagle_utils._verify_uses_greedy"
 HOOK_THRESHOLD_UPDATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._validate_accept_threshold"
 )
+HOOK_ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+HOOK_FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 # Resolved per platform by SGLang, None where the platform has no kernel (CPU,
 # XPU): hooked through HookRegistry where it is a function, else the binding
 # eagle_sample calls is filled (``install_kernel_slots``).
@@ -325,6 +336,43 @@ def _threshold_update_hook(original, controller, key, value):
     return original(controller, key, value)
 
 
+def _add_cli_args_hook(original, parser):
+    """SGLang's parser, plus ``--speculative-tree-mask-mode`` (a string: it is
+    validated where the server arguments are resolved, with the other
+    speculative flags, by ``algorithm.resolve_eagle_tree``). In every process,
+    whether or not EAGLE_TREE is active: the flag exists wherever SGLang parses."""
+    from .config import MASK_MODE_DEST, MASK_MODE_ENV, MASK_MODE_FLAG, OUR_BACKEND_MODES
+
+    result = original(parser)
+    if MASK_MODE_FLAG not in parser._option_string_actions:
+        parser.add_argument(
+            MASK_MODE_FLAG,
+            dest=MASK_MODE_DEST,
+            type=str,
+            default=None,
+            help=(
+                f"{ALGORITHM_NAME} (spec-plugins): the tree mask layout the verify pass builds, "
+                f"{', '.join(m.name for m in TreeMaskMode)} (name, any case, or number); unset: what the "
+                f"verify attention backend reads ({', '.join(m.name for m in OUR_BACKEND_MODES)} for spec_tree*). "
+                f"Wins over ${MASK_MODE_ENV}."
+            ),
+        )
+    return result
+
+
+def _from_cli_args_hook(original, cls, args):
+    """SGLang's ServerArgs of the parsed arguments, carrying the flag's value
+    (ServerArgs has no field of ours: a bookkeeping attribute, which SGLang
+    pickles with the record to its processes)."""
+    from .config import MASK_MODE_DEST, MASK_MODE_RECORD
+
+    server_args = original(cls, args)
+    value = getattr(args, MASK_MODE_DEST, None)
+    if value is not None:
+        setattr(server_args, MASK_MODE_RECORD, value)
+    return server_args
+
+
 def _missing_kernel(name: str):
     def missing(*args, **kwargs):
         raise TypeError(f"SGLang has no {name} kernel on this platform ({name} is None)")
@@ -407,6 +455,8 @@ HOOKS = (
     (HOOK_SAMPLE_CONTEXT, _sample_context_hook),
     (HOOK_USES_GREEDY, _uses_greedy_hook),
     (HOOK_THRESHOLD_UPDATE, _threshold_update_hook),
+    (HOOK_ADD_CLI_ARGS, _add_cli_args_hook),
+    (HOOK_FROM_CLI_ARGS, _from_cli_args_hook),
 )
 
 

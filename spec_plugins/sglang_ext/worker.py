@@ -35,21 +35,25 @@ import spec_tree_kernels as stk
 from spec_tree_kernels import TreeMaskMode, cuda_build_guard
 
 from . import engine_patches
-from .config import ALGORITHM_NAME, requested_mask_mode, resolve_mask_mode
+from .config import ALGORITHM_NAME, mask_mode_source, requested_mask_mode, resolve_mask_mode
 
 logger = logging.getLogger(__name__)
 
 
 def configured_mask_mode() -> TreeMaskMode:
-    """The mode this process builds: SPEC_PLUGINS_TREE_MASK_MODE checked
+    """The mode this process builds: --speculative-tree-mask-mode (carried in
+    the published server args), else SPEC_PLUGINS_TREE_MASK_MODE, checked
     against the verify attention backend (same rule as at resolution)."""
     from sglang.srt.runtime_context import attention_backends, get_spec
+
+    from .algorithm import published_mask_mode_flag
 
     prefill, decode = attention_backends()
     backend = prefill
     if prefill != decode and get_spec().speculative_attention_mode == "decode":
         backend = decode
-    return resolve_mask_mode(requested_mask_mode(), backend)
+    flag = published_mask_mode_flag()
+    return resolve_mask_mode(requested_mask_mode(flag=flag), backend, mask_mode_source(flag))
 
 
 def startup_build_timeout(watchdog_timeout) -> float:
@@ -108,5 +112,5 @@ def check_backend_reads(attn_backend, mode: TreeMaskMode) -> None:
         raise RuntimeError(
             f"{ALGORITHM_NAME}: the target attention backend {type(attn_backend).__name__} reads "
             f"{TreeMaskMode(int(verify_mask.mode)).name} tree masks but this worker is configured for "
-            f"{mode.name} (SPEC_PLUGINS_TREE_MASK_MODE)"
+            f"{mode.name} (--speculative-tree-mask-mode / SPEC_PLUGINS_TREE_MASK_MODE)"
         )

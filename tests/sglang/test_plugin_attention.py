@@ -310,9 +310,10 @@ def test_a_mask_of_another_mode_is_refused(published, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     backend, runner = make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)
     ctx, rows, _, out_cache_loc = setup_batch(gen, runner, 2, NODES)
+    # a drafted verify input (draft tokens: not SGLang's warm-up dummy, whose placeholder mask is served)
     spec = types.SimpleNamespace(
-        draft_token_num=NODES, custom_mask=torch.ones(2 * NODES * NODES, dtype=torch.bool), draft_token=None,
-        positions=None,
+        draft_token_num=NODES, custom_mask=torch.ones(2 * NODES * NODES, dtype=torch.bool),
+        draft_token=torch.zeros(2 * NODES, dtype=torch.int64), positions=None,
     )  # fmt: skip
     fb = verify_forward_batch(ctx, rows, out_cache_loc, spec)
     with pytest.raises(RuntimeError, match="reads ANCESTOR_BITMASK tree masks.*another mask mode"):
@@ -408,3 +409,132 @@ def test_padded_or_split_verify_batches_are_refused_at_startup(published, tmp_pa
             make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)
     finally:
         _testing.publish(published)  # the module's configuration, for the tests after this one
+
+
+# ------------------------------------- --enable-torch-compile (issue #53, item 3)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_verify_attention_is_kept_out_of_dynamo(published, monkeypatch, impl):
+    """``--enable-torch-compile`` compiles the model forward (SGLang's decode
+    graph runner on a GPU, its CPU graph runner on a CPU); the attention
+    layers reach the backend through ``RadixAttention.forward`` ->
+    ``get_attn_backend().forward``. SGLang's own Triton backend keeps its
+    kernel calls out of dynamo (``torch.compiler.disable``); ours keeps the
+    tree verify out the same way, so dynamo never traces our plan (host-sized
+    work, Triton launches): inside it ``torch.compiler.is_compiling()`` is
+    False, and the compiled forward equals the eager one. Real: SGLang's
+    RadixAttention and forward context, torch.compile (dynamo; the ``eager``
+    compiler backend, as no C++ or GPU compile is needed for the question)."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from spec_tree_kernels.attention_plan import TreeAttentionPlan
+
+    gen = torch.Generator().manual_seed(53)
+    backend, runner = make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK, impl)
+    bs = 2
+    ctx, rows, slots, out_cache_loc = setup_batch(gen, runner, bs, NODES)
+    verify_input, parents = verify_input_via_sglang(backend, gen, ctx, rows, runner)
+    fb = verify_forward_batch(ctx, rows, out_cache_loc, verify_input)
+    layer = RadixAttention(num_heads=HQ, head_dim=DIM, scaling=DIM**-0.5, num_kv_heads=HKV, layer_id=0)
+    q = torch.randn(bs * NODES, HQ * DIM, generator=gen)
+    k = torch.randn(bs * NODES, HKV * DIM, generator=gen)
+    v = torch.randn(bs * NODES, HKV * DIM, generator=gen)
+    expected = dense_reference(q, k.view(-1, HKV, DIM), v.view(-1, HKV, DIM), runner.token_to_kv_pool, 0, slots,
+                               ctx, parents, DIM**-0.5)  # fmt: skip
+
+    compiling = []
+    run = TreeAttentionPlan.run
+
+    def spy(self, *args, **kwargs):
+        compiling.append(torch.compiler.is_compiling())
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(TreeAttentionPlan, "run", spy)
+
+    def model_forward(q, k, v):  # what a model's attention layer does (qkv projections elided)
+        return layer(q, k, v, fb) * 1.0
+
+    torch._dynamo.reset()
+    try:
+        with forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):
+            backend.init_forward_metadata(fb)
+            out = torch.compile(model_forward, backend="eager")(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    assert compiling and not any(compiling), f"dynamo traced the tree verify: is_compiling() = {compiling}"
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------- SGLang's warm-up dummy verify (issue #53, item 2)
+
+
+class _DummyRunHost:
+    """The runner object SGLang's ``BaseRunner._dummy_run`` is a method of (a
+    stand-in: its one attribute is the model runner; the method is SGLang's)."""
+
+    _dummy_run = None  # set below: SGLang's function
+
+    def __init__(self, model_runner):
+        self.model_runner = model_runner
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_sglang_warmup_dummy_verify_is_served(published, monkeypatch, mode, impl):
+    """On CUDA, SGLang's warm-up runs FlashInfer's autotune for ModelOpt
+    FP8/FP4 targets and flashinfer MoE runners (``should_run_flashinfer_autotune``):
+    ``BaseRunner._dummy_run`` forwards a TARGET_VERIFY batch whose verify input
+    is ``create_dummy_verify_input``'s (no drafted tree: ``draft_token`` None)
+    with SGLang's FULL_MASK placeholder, a bool buffer of ones, as the mask;
+    and it calls the backend's eager ``init_forward_metadata``. Ours serves it
+    with its own (zeroed) mask buffer: finite outputs, no crash. Real:
+    SGLang's ``_dummy_run`` (run as a method of a stand-in runner object),
+    its decode buffers (``_allocate_decode_buffers``), ``create_dummy_verify_input``,
+    ``ForwardBatch``, forward context and ``RadixAttention``. Faked: the model
+    runner (a namespace of real pools and our backend) and the model (two
+    attention layers on random q/k/v), the process group's barrier."""
+    from sglang.srt.model_executor.runner.base_runner import BaseRunner, _allocate_decode_buffers
+    from sglang.srt.runtime_context import get_parallel
+
+    backend, runner = make_backend(monkeypatch, mode, impl)
+    assert backend.verify_mask is not None and backend.verify_mask.mode == mode
+    layers = [RadixAttention(HQ, DIM, DIM**-0.5, HKV, layer_id=i) for i in range(2)]
+    outputs = []
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, positions, forward_batch):
+            n = input_ids.shape[0]
+            gen = torch.Generator().manual_seed(n)
+            for layer in layers:
+                q, k, v = (torch.randn(n, h * DIM, generator=gen) for h in (HQ, HKV, HKV))
+                outputs.append(layer(q, k, v, forward_batch))
+            return outputs[-1]
+
+    bs = 3
+    runner.model = Model()
+    runner.attn_backend = backend
+    runner.is_generation = True
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    runner.spec_algorithm = SpeculativeAlgorithm.from_string("EAGLE_TREE")
+    runner.decode_num_tokens_per_req = lambda num_draft_tokens=None: NODES
+    runner.model_config = types.SimpleNamespace(hidden_size=HQ * DIM, vocab_size=256, dtype=torch.float32,
+                                                is_encoder_decoder=False, hf_config=None)  # fmt: skip
+    runner.lora_manager = runner.canary_manager = None
+    runner.kv_index_translator = types.SimpleNamespace(bind_runner_slots=lambda fb: None)
+    runner.prepare_dummy_forward_batch = lambda fb: fb
+    buffers = _allocate_decode_buffers(
+        device="cpu", max_bs=bs, max_num_token=bs * NODES, hidden_size=HQ * DIM, vocab_size=256, dtype=torch.float32,
+        is_encoder_decoder=False, require_mlp_tp_gather=False,
+        seq_len_fill_value=backend.get_cuda_graph_seq_len_fill_value(), encoder_len_fill_value=0,
+        num_tokens_per_req=NODES, cache_loc_dtype=torch.int64, enable_mamba_track=False, allocate_logits_buffer=False,
+    )  # fmt: skip
+    assert buffers.custom_mask.dtype == torch.bool  # SGLang's FULL_MASK placeholder
+    host = _DummyRunHost(runner)
+    barrier = types.SimpleNamespace(barrier=lambda: None)  # no process group on this machine
+    with get_parallel().override(tp_group=barrier):
+        BaseRunner._dummy_run(host, batch_size=bs, buffers=buffers)
+    assert len(outputs) == 2
+    for out in outputs:
+        assert out.shape == (bs * NODES, HQ * DIM) and torch.isfinite(out).all()

@@ -369,3 +369,168 @@ def test_eager_verify_plan_reads_only_the_batchs_longest_context(published, monk
     fb.seq_lens_cpu = None
     backend.init_forward_metadata(fb)
     assert backend._tree_meta.plan.block_table.shape == (3, MAX_CTX) and backend._tree_meta.plan.max_context_len is None
+
+
+# ------------------------------- SGLANG_ENABLE_METADATA_GLUE_GRAPH (issue #53, item 1)
+
+
+class _RecordingGraph:
+    """CPU stand-in for ``torch.cuda.CUDAGraph``: the ops run under its capture
+    are recorded (aten ops, their tensor arguments by identity and every
+    Python value as it was), and ``replay`` re-runs exactly those ops on the
+    same tensors, as a CUDA graph replays its kernels on the same addresses.
+    Host logic (lengths read with ``tolist``, widths) ran once, at capture."""
+
+    def __init__(self):
+        self.ops = []
+
+    def record(self):
+        graph = self
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                graph.ops.append((func, args, kwargs, out))
+                return out
+
+        return Recorder()
+
+    def replay(self):
+        produced = {}  # id(capture-time result) -> this replay's result
+
+        def sub(value):
+            if isinstance(value, torch.Tensor):
+                return produced.get(id(value), value)
+            if isinstance(value, (list, tuple)):
+                return type(value)(sub(v) for v in value)
+            return value
+
+        for func, args, kwargs, out in self.ops:
+            result = func(*sub(args), **{k: sub(v) for k, v in kwargs.items()})
+            for old, new in zip(out if isinstance(out, (list, tuple)) else [out],
+                                result if isinstance(result, (list, tuple)) else [result]):
+                if isinstance(old, torch.Tensor):
+                    produced[id(old)] = new
+
+    def capture_end(self):
+        pass
+
+
+def fake_cuda_graphs(monkeypatch):
+    """What ``MetadataGlueGraph`` uses of ``torch.cuda``, on the CPU: its capture
+    stream, ``CUDAGraph``, the ``torch.cuda.graph`` context (during which
+    ``is_current_stream_capturing`` is True and ops are recorded)."""
+    capturing = [False]
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        capturing[0] = True
+        try:
+            with cuda_graph.record():
+                yield cuda_graph
+        finally:
+            capturing[0] = False
+            cuda_graph.capture_end()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: types.SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordingGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+
+def _glue_runner_class():
+    from sglang.srt.environ import envs
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.model_executor.runner.metadata_glue_graph import MetadataGlueGraph
+
+    class GlueVerifyGraphRunner(StubVerifyGraphRunner):
+        """The stub graph runner whose replay prep is SGLang's own:
+        ``DecodeCudaGraphRunner._init_replay_attn_metadata`` (the glue route, its
+        ``MetadataGlueGraph`` warm-ups, capture and replays, or the eager prep),
+        with the glue graph created as the runner creates it, from
+        ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` (EAGLE_TREE is not DFlash: no force-off)."""
+
+        _init_replay_attn_metadata = DecodeCudaGraphRunner._init_replay_attn_metadata
+        _init_replay_attn_metadata_from_view = DecodeCudaGraphRunner._init_replay_attn_metadata_from_view
+        _glue_draft_inputs = DecodeCudaGraphRunner._glue_draft_inputs
+        _prep_attention_variant = DecodeCudaGraphRunner._prep_attention_variant
+        _glue_key = DecodeCudaGraphRunner._glue_key
+
+        def __init__(self, backend, max_bs, nodes):
+            super().__init__(backend, max_bs, nodes)
+            self.attn_backend, self.device, self.seq_len_fill_value = backend, "cpu", self.fill
+            self.model_runner = types.SimpleNamespace(lora_manager=None, is_draft_worker=False)
+            self.enable_two_batch_overlap = self.enable_pdmux = self.is_encoder_decoder = False
+            self.capture_forward_mode = ForwardMode.TARGET_VERIFY
+            self._early_verify_metadata = None
+            self._draft_metadata_glue = self._target_metadata_glue = False
+            self._skip_glued_replay_view = envs.SGLANG_OPT_SKIP_GLUED_REPLAY_VIEW.get()
+            enabled = envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get()
+            self._metadata_glue = MetadataGlueGraph(self.device) if enabled else None
+
+        def _replay_attn_backend(self):
+            return self.attn_backend
+
+        def _global_num_tokens_for_graph(self, num_tokens):
+            return None
+
+        def replay(self, fb, q, k, v):
+            """A replay of a full captured batch (the glue route needs raw_bs == bs)."""
+            bs, b = fb.batch_size, self.buffers
+            n = bs * self.nodes
+            assert bs in self.graphs
+            b.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+            b.seq_lens[:bs].copy_(fb.seq_lens)
+            b.seq_lens_cpu[:bs].copy_(fb.seq_lens_cpu)
+            b.out_cache_loc[:n].copy_(fb.out_cache_loc)
+            self.q[:n].copy_(q)
+            self.k[:n].copy_(k)
+            self.v[:n].copy_(v)
+            self.backend._tree_meta = None
+            self._init_replay_attn_metadata(
+                fb, raw_bs=bs, bs=bs, num_tokens=n, glue_key=self._glue_key(bs, str(fb.forward_mode), None),
+                early_staged=False, attention_variant=None,
+            )  # fmt: skip
+            body, captured_meta = self.graphs[bs]
+            if self.backend._tree_meta is None:  # a glue replay: no Python ran; the graph's kernels are the capture's
+                self.backend._tree_meta = captured_meta
+            assert self.backend._tree_meta is captured_meta
+            return body()
+
+    return GlueVerifyGraphRunner
+
+
+def test_metadata_glue_graph_prepares_our_verify_eagerly(published, monkeypatch):
+    """Issue #53, item 1. With ``SGLANG_ENABLE_METADATA_GLUE_GRAPH=1`` SGLang's
+    decode graph runner records the replay prep into a glue graph after two
+    warm-ups. Ours copies the block table up to the step's longest context (a
+    host value): recorded, every later replay would copy the capture step's
+    width, and a batch whose contexts grew past it would read stale columns
+    (wrong KV slots, no error). Our prep refuses to be recorded; SGLang's glue
+    falls back to the eager prep for good, and every step equals the eager
+    verify. Real: SGLang's env reading, its replay routing and its
+    ``MetadataGlueGraph``. Faked: the CUDA graph (``_RecordingGraph``: the
+    recorded ops replayed on the same tensors)."""
+    from sglang.srt.environ import envs
+
+    monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")
+    assert envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get()
+    fake_cuda_graphs(monkeypatch)
+    gen = torch.Generator().manual_seed(53)
+    backend, runner = make_triton_backend(published, monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)
+    graphs = _glue_runner_class()(backend, CAPTURE_BS, NODES)
+    graphs.capture(CAPTURE_BS)
+    short = torch.tensor([3, 5, 4, 6])
+    long = torch.tensor([MAX_CTX - NODES - 2, MAX_CTX - NODES - 3, 30, MAX_CTX - NODES - 4])
+    # two warm-ups, the glue capture (all short contexts), then contexts past the captured width
+    for step, ctx in enumerate([short, short, short, long, long]):
+        fb, q, k, v, (slots, ctx, parents) = _with_lens(gen, backend, runner, ctx)
+        expected = eager_verify(backend, fb, q, k, v)
+        replayed = graphs.replay(fb, q, k, v)
+        for layer, (got, want) in enumerate(zip(replayed, expected)):
+            dense = dense_reference(q, k, v, runner.token_to_kv_pool, layer, slots, ctx, parents, DIM**-0.5)
+            torch.testing.assert_close(got.double(), dense, atol=2e-5, rtol=2e-5, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    glue = graphs._metadata_glue
+    assert glue.disabled and glue.replays == 0  # SGLang prepared ours eagerly after the refused capture

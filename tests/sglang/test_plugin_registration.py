@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -254,6 +255,77 @@ def test_attention_backends_registered_and_on_the_cli(ckpt):
     assert (view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (5, 4, 8)
 
 
+# ------------------------------- --speculative-tree-mask-mode (issue #53, item 5)
+
+
+def parse(ckpt, *extra, algorithm="EAGLE_TREE", backend="spec_tree"):
+    """SGLang's own CLI parsing (``prepare_server_args``), then its resolution."""
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = [
+        "--model-path", ckpt["target"], "--speculative-algorithm", algorithm,
+        "--speculative-draft-model-path", ckpt["eagle3_head"], "--attention-backend", backend,
+        "--device", "cpu", "--skip-tokenizer-init", *extra,
+    ]  # fmt: skip
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    return server_args
+
+
+def test_mask_mode_flag_on_sglangs_parser_wins_over_the_variable(ckpt, monkeypatch):
+    """The flag is on SGLang's parser (hooks on ServerArgs.add_cli_args /
+    from_cli_args, applied by the plugin registry), travels in the server
+    args to every process (pickled, as SGLang hands them to its schedulers),
+    and wins over SPEC_PLUGINS_TREE_MASK_MODE; the variable stays the fallback."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from spec_plugins.sglang_ext import worker
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert config.MASK_MODE_FLAG in parser.format_help()
+    monkeypatch.setenv(config.MASK_MODE_ENV, "QLEN_ONLY")
+    server_args = parse(ckpt, config.MASK_MODE_FLAG, "parent_pointer")
+    child = pickle.loads(pickle.dumps(server_args))  # what a scheduler process is handed
+    assert getattr(child, config.MASK_MODE_RECORD) == "parent_pointer"
+    _testing.publish(child)
+    try:
+        assert worker.configured_mask_mode() == config.TreeMaskMode.PARENT_POINTER  # the flag, not the variable
+        _testing.publish(parse(ckpt))  # no flag: the variable
+        assert worker.configured_mask_mode() == config.TreeMaskMode.QLEN_ONLY
+        monkeypatch.delenv(config.MASK_MODE_ENV)
+        assert worker.configured_mask_mode() == config.TreeMaskMode.ANCESTOR_BITMASK  # neither: the backend's default
+        # the flag overrides a variable the backend cannot read, in resolution and in the worker
+        monkeypatch.setenv(config.MASK_MODE_ENV, "FULL_MASK")
+        _testing.publish(parse(ckpt, config.MASK_MODE_FLAG, "3"))
+        assert worker.configured_mask_mode() == config.TreeMaskMode.ANCESTOR_BITMASK
+    finally:
+        monkeypatch.delenv(config.MASK_MODE_ENV, raising=False)
+        _testing.publish(resolve(ckpt))
+
+
+MASK_MODE_FLAG_ERRORS = [
+    pytest.param(("BOGUS",), {}, "--speculative-tree-mask-mode 'BOGUS': unknown tree mask mode 'BOGUS'; expected one "
+                 "of: FULL_MASK, QLEN_ONLY, QLEN_ONLY_BITPACKING, ANCESTOR_BITMASK, PARENT_POINTER", id="unknown"),
+    pytest.param(("full_mask",), {}, "--speculative-tree-mask-mode FULL_MASK: attention backend 'spec_tree' cannot "
+                 "read this tree mask; it reads ANCESTOR_BITMASK, PARENT_POINTER, QLEN_ONLY", id="backend-cannot-read"),
+    pytest.param(("ANCESTOR_BITMASK",), {"backend": "triton"}, "--speculative-tree-mask-mode ANCESTOR_BITMASK: "
+                 "attention backend 'triton' cannot read", id="sglang-backend-cannot-read"),
+    pytest.param(("parent_pointer",), {"algorithm": "EAGLE", "backend": "triton"},
+                 "--speculative-tree-mask-mode 'parent_pointer' applies to --speculative-algorithm EAGLE_TREE only",
+                 id="other-algorithm"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value,kwargs,message", MASK_MODE_FLAG_ERRORS)
+def test_mask_mode_flag_is_validated_at_resolution(ckpt, monkeypatch, value, kwargs, message):
+    monkeypatch.setenv(config.MASK_MODE_ENV, "PARENT_POINTER")  # valid: the error is the flag's
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse(ckpt, config.MASK_MODE_FLAG, *value, **kwargs)
+
+
 # ------------------------------------------------------------- resolution
 
 
@@ -285,9 +357,38 @@ def test_cuda_graphs_stay_enabled_with_spec_tree_triton(ckpt, head):
     assert ours.cuda_graph_config.prefill.backend == sglangs.cuda_graph_config.prefill.backend
     assert ours.cuda_graph_config == sglangs.cuda_graph_config
     assert ours.speculative_draft_attention_backend == "triton"  # SGLang's Triton backend runs the draft
-    # spec_tree (torch verify) turns them off
-    torch_view = resolved_view(resolve(ckpt, head=head, attention_backend=config.BACKEND_TORCH, device="cuda"))
+    # spec_tree (torch verify) turns them off (on the CPU: it is refused on CUDA, issue #53 item 4)
+    torch_view = resolved_view(resolve(ckpt, head=head, attention_backend=config.BACKEND_TORCH, device="cpu"))
     assert torch_view.cuda_graph_config.decode.backend == torch_view.cuda_graph_config.prefill.backend == "disabled"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_spec_tree_is_refused_on_cuda_naming_spec_tree_triton(ckpt, device):
+    """Issue #53, item 4: spec_tree's torch verify builds fp32 buffers of
+    batch x heads x T x context per layer (about 1.6 GB a layer at batch 48 x
+    8k context) outside SGLang's memory profile; on CUDA it is refused where
+    SGLang resolves the arguments (its --device, as SGLang resolved it; no
+    CUDA needed to decide), and by the backend itself for a runner on CUDA
+    (a fake runner: only its device is read, before anything is built)."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import prepare_server_args
+
+    message = "--attention-backend spec_tree is not served on cuda.*use --attention-backend spec_tree_triton"
+    with pytest.raises(ValueError, match=message):
+        resolve(ckpt, attention_backend=config.BACKEND_TORCH, device=device)
+    argv = [
+        "--model-path", ckpt["target"], "--speculative-algorithm", "EAGLE_TREE", "--speculative-draft-model-path",
+        ckpt["eagle3_head"], "--attention-backend", "spec_tree", "--device", device, "--skip-tokenizer-init",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        prepare_server_args(argv).resolve_once()
+    with pytest.raises(ValueError, match=message):
+        ATTENTION_BACKENDS[config.BACKEND_TORCH](types.SimpleNamespace(device=device))
+    with pytest.raises(ValueError, match=message):
+        ATTENTION_BACKENDS[config.BACKEND_TORCH](types.SimpleNamespace(device=torch.device(device)))
+    # the CPU keeps it; spec_tree_triton serves CUDA
+    assert resolved_view(resolve(ckpt, attention_backend=config.BACKEND_TORCH, device="cpu")).attention_backend == "spec_tree"
+    resolve(ckpt, attention_backend=config.BACKEND_TRITON, device=device)
 
 
 def test_resolution_with_sglang_backend_keeps_its_mode(ckpt, monkeypatch):
@@ -401,17 +502,19 @@ def readme_graph_table() -> dict:
 
 def test_readme_graph_table_matches_resolution_and_backends(ckpt):
     """Each row: the modes the backend reads (config), and graphs on / off as
-    resolution leaves them for a GPU server: draft decode and draft extend
-    follow the DECODE phase (eagle_worker_v2._capture_cuda_graphs), target
-    verify is the target's decode graph runner, on our backend only where it
-    has the capture entry points and is not graphless."""
+    resolution leaves them for a GPU server (``spec_tree``, refused on CUDA:
+    for a CPU server): draft decode and draft extend follow the DECODE phase
+    (eagle_worker_v2._capture_cuda_graphs), target verify is the target's
+    decode graph runner, on our backend only where it has the capture entry
+    points and is not graphless."""
     from spec_plugins.sglang_ext.attention import TreeVerifyMixin
 
     rows = readme_graph_table()
     assert {config.BACKEND_TRITON, config.BACKEND_TORCH, "flashinfer", "triton", "fa3"} <= set(rows)
     for backend, (modes, graphs) in rows.items():
         assert modes == [m.name for m in config.readable_modes(backend)], backend
-        view = resolved_view(resolve(ckpt, attention_backend=backend, device="cuda"))
+        device = "cpu" if backend in config.GRAPHLESS_BACKENDS else "cuda"
+        view = resolved_view(resolve(ckpt, attention_backend=backend, device=device))
         decode_on = view.cuda_graph_config.decode.backend != "disabled"
         expected = ["on" if decode_on else "off"] * 3
         if backend in config.OUR_BACKENDS:
