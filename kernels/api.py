@@ -345,7 +345,8 @@ def tree_from_parents(
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries for {batch} trees")
     node = torch.arange(nodes, device=parent.device)
-    if validate and bool((parent[:, 0] != -1).any()) or bool(((parent[:, 1:] < 0) | (parent[:, 1:] >= node[1:])).any()):
+    if validate and (bool((parent[:, 0] != -1).any())
+                     or bool(((parent[:, 1:] < 0) | (parent[:, 1:] >= node[1:])).any())):
         raise ValueError(f"parent must be -1 for node 0 and in [0, i) for node i, got {parent.tolist()}")
     anc, depth, _ = reference.ancestor_matrix(parent, nodes - 1 if max_depth is None else max_depth)
     first_child, next_sibling = reference.tree_links(parent)

@@ -72,3 +72,35 @@ def test_the_verify_tail_compiles_without_graph_breaks():
     for a, b in zip(torch.utils._pytree.tree_leaves(eager), torch.utils._pytree.tree_leaves(graph)):
         assert torch.equal(a, b)
     assert int(eager[0].accept_length.max()) > 0
+
+
+def test_the_v2_step_plan_and_commit_compile_without_graph_breaks():
+    """What the V2 tree runner does on the device around the target forward
+    (issue #49): the tree build from the drafted parents (no validation: no
+    host read), the walk, and the gather of each tree's accepted path into
+    chain order (``tree_commit``)."""
+    from spec_plugins.tree_commit import linear_positions, node_rows, path_order
+
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3], [-1, 0, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 0, 0, 0, 0, 0]])
+    g = torch.Generator().manual_seed(3)
+    q_starts, context = torch.tensor([2, 10, 18]), torch.tensor([40, 7, 90])
+    tokens = torch.randint(0, 6, (30,), generator=g)
+    predict = torch.randint(0, 6, (3, T), generator=g)
+
+    def step(parents, context, q_starts, tokens, predict):
+        build = stk.tree_from_parents(parents, context, "ANCESTOR_BITMASK", max_depth=T - 1, validate=False)
+        rows = node_rows(q_starts, T)
+        res = reference.verify_tree_greedy(tokens[rows], build.retrieve_next_token, build.retrieve_next_sibling,
+                                           predict, T - 1)
+        source = path_order(tokens.shape[0], q_starts, res.accept_index, T)
+        return build.positions, res.accept_tokens, tokens[source], linear_positions(context, T)
+
+    predict[:, 0] = tokens[q_starts + 1]  # every tree accepts its first child at least
+    predict[0, 1] = tokens[q_starts[0] + 3]  # and tree 0 goes on off the BFS order (node 1 -> node 3)
+    eager = step(parents, context, q_starts, tokens, predict)
+    graph = compiled(step)(parents, context, q_starts, tokens, predict)
+    for a, b in zip(eager, graph):
+        assert torch.equal(a, b)
+    gathered = eager[2]
+    assert gathered[q_starts[0] + 1] == tokens[q_starts[0] + 1] and gathered[q_starts[0] + 2] == tokens[q_starts[0] + 3]
+    assert torch.equal(gathered[:2], tokens[:2]) and torch.equal(gathered[26:], tokens[26:])  # other rows stay

@@ -434,12 +434,41 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
         raise TreeConfigError(f"spec_tree budget='auto' with tensor_parallel_size={parallel.tensor_parallel_size}: "
                               "every rank times its own steps, so ranks could pick different shapes for one step; "
                               "use a fixed tree shape under tensor parallelism")
-    if settings.menu and getattr(vllm_config, "use_v2_model_runner", False):
-        raise TreeConfigError("spec_tree budget='auto' is not served on vLLM's V2 model runner yet "
-                              "(VLLM_USE_V2_MODEL_RUNNER=1): use a fixed tree shape, or the V1 runner")
+    if parallel.decode_context_parallel_size > 1 or getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        raise TreeConfigError("decode/prefill context parallelism (decode_context_parallel_size="
+                              f"{parallel.decode_context_parallel_size}) is not supported with spec_tree: the tree "
+                              "rows read one rank's KV shard")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        check_v2_runner_options(vllm_config, settings)
     from .requests import mark_tree_engine
 
     mark_tree_engine(vllm_config)  # min_p / logit_bias requests are served (logit_bias without speculation)
+
+
+# Model Runner V2 options the V2 tree runner does not serve yet: (what, value getter, why).
+V2_REFUSALS = (
+    ("speculative_config enable_adaptive_verification=True",
+     lambda c: getattr(c.speculative_config, "enable_adaptive_verification", False),
+     "V2 then moves draft counts and query starts on the device, after the tree step is planned"),
+    ("enable_batch_sharded_sampling=True", lambda c: getattr(c.parallel_config, "enable_batch_sharded_sampling", False),
+     "the sampler then sees a rank's share of the batch; the tree walk reads the whole batch"),
+    ("enable_dbo=True (dual-batch overlap)", lambda c: getattr(c.parallel_config, "enable_dbo", False),
+     "micro-batches get their own attention metadata; the trees are published for the whole batch"),
+    ("watermark_config", lambda c: getattr(c, "watermark_config", None) is not None,
+     "the tree walk does not apply the watermark"),
+    ("kv_transfer_config", lambda c: getattr(c, "kv_transfer_config", None) is not None,
+     "disaggregated prefill with trees is untested"),
+)
+
+
+def check_v2_runner_options(vllm_config, settings: TreeSettings) -> None:
+    """What the V2 tree runner (``runner_v2.py``) does not serve, refused by name."""
+    if settings.menu:
+        raise TreeConfigError("spec_tree budget='auto' is not served on vLLM's V2 model runner yet "
+                              "(VLLM_USE_V2_MODEL_RUNNER=1): use a fixed tree shape, or the V1 runner")
+    for what, value, why in V2_REFUSALS:
+        if value(vllm_config):
+            raise TreeConfigError(f"{what} is not supported with spec_tree on vLLM's V2 model runner ({why})")
 
 
 def model_attention_refusal(model) -> str | None:

@@ -53,12 +53,16 @@ import torch
 
 import spec_tree_kernels as stk
 
+from spec_plugins.tree_commit import node_rows
+
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import TreeConfigError, settings_from_vllm_config
-from .proposer import check_head_fits_target, check_loaded_head
+from .proposer import check_head_fits_target, check_loaded_head, share_tied_lm_head
 from .requests import params_allow_speculation
 from .runner import TreeStats
 from .startup_checks import check_at_startup, warm_tree_kernels
+
+NO_TREE, GREEDY, SAMPLED = 0, 1, 2  # how a request's drafts are verified
 
 
 def upload(host: np.ndarray, device) -> torch.Tensor:
@@ -78,7 +82,8 @@ class TreeGroupV2:
     logit_rows [B, nodes] int64 the nodes' rows of the sampler's logits,
     context_lens [B] int64 (positions before the step: the root's position),
     candidates [B, nodes] int64 node tokens (root = the last sampled token),
-    build (``spec_tree_kernels.TreeBuild``: mask, positions, walk links).
+    build (``spec_tree_kernels.TreeBuild``: mask, positions, walk links),
+    sampled [S] int64 which of the B trees belong to sampled requests.
     After the walk: accept_index [B, D + 1] int64 (root first, -1 padded),
     accept_length [B] int64."""
 
@@ -92,13 +97,14 @@ class TreeGroupV2:
     context_lens: torch.Tensor
     candidates: torch.Tensor
     build: stk.TreeBuild
+    sampled: torch.Tensor | None = None  # [S] int64 the group's sampled trees (indices into it); None: all greedy
     accept_index: torch.Tensor | None = None
     accept_length: torch.Tensor | None = None
 
     @property
     def node_rows(self) -> torch.Tensor:
         """[B, nodes] int64 query rows of every node."""
-        return self.q_starts[:, None] + torch.arange(self.nodes, device=self.q_starts.device)
+        return node_rows(self.q_starts, self.nodes)
 
 
 @dataclass
@@ -127,7 +133,7 @@ class TreeRunnerV2Mixin:
                                   "tree shape or VLLM_USE_V2_MODEL_RUNNER=0")
         self.tree_settings = settings
         self.verify_depth = settings.num_spec_tokens  # D: walks' accepted-path arrays are D + 1 wide
-        self.tree_eligible = np.zeros(self.max_num_reqs, dtype=bool)  # per request state: greedy, nothing else
+        self.tree_kind = np.zeros(self.max_num_reqs, dtype=np.int8)  # per request state: NO_TREE, GREEDY, SAMPLED
         self.tree_step: TreeStepV2 | None = None
         self.tree_stats = TreeStats()  # what this runner counts of it: verify_steps, trees_verified
         from .speculator_v2 import TreeEagleSpeculatorV2
@@ -140,6 +146,7 @@ class TreeRunnerV2Mixin:
         check_head_fits_target(spec.draft_model_config.hf_config, self.vllm_config.model_config.hf_text_config,
                                spec.method, spec.draft_model_config.model)
         super().load_model(*args, **kwargs)
+        share_tied_lm_head(self.speculator.model, self.get_model())  # a tied target without lm_head (Gemma-2)
         check_loaded_head(self.speculator.model, self.vllm_config.model_config.get_vocab_size(),
                           spec.draft_model_config.model)
         from .verify_v2 import TreeVerifierV2
@@ -160,8 +167,10 @@ class TreeRunnerV2Mixin:
     def group_block_table(self, gid: int) -> torch.Tensor:
         return self.block_tables.input_block_tables[gid]
 
-    def head_row_limit(self) -> None:
-        return None  # the head runs eager here, any number of rows
+    def head_row_limit(self) -> int:
+        """Rows a compiled head takes per forward: vLLM compiles it for up to
+        max_num_batched_tokens (its compile ranges end there)."""
+        return self.scheduler_config.max_num_batched_tokens
 
     # ---------------------------------------------------------- V2 overrides
     def add_requests(self, scheduler_output) -> None:
@@ -171,7 +180,24 @@ class TreeRunnerV2Mixin:
         for new in scheduler_output.scheduled_new_reqs:
             p = new.sampling_params
             index = self.req_states.req_id_to_index[new.req_id]
-            self.tree_eligible[index] = (params_allow_speculation(p) and p.sampling_type == SamplingType.GREEDY)
+            kind = NO_TREE
+            if params_allow_speculation(p) and not self._processors_apply(index, p):
+                # seeded sampled requests stay with V2's sampler, which keys their draws by seed and
+                # position: reproducible, and the same tokens as without speculation
+                kind = {SamplingType.GREEDY: GREEDY, SamplingType.RANDOM: SAMPLED}.get(p.sampling_type, NO_TREE)
+            self.tree_kind[index] = kind
+
+    def _processors_apply(self, index: int, params) -> bool:
+        """Could a logits processor or V2's thinking budget change this request's
+        token? For a greedy request V2 says so itself (``needs_logits_processing``:
+        its sampling parameters never set it at temperature 0); for a sampled one
+        any processor that is not vLLM's own counts (entry-point plugins)."""
+        from vllm.sampling_params import SamplingType
+
+        sampler = self.sampler
+        if params.sampling_type == SamplingType.GREEDY:
+            return bool(sampler.needs_logits_processing[index])
+        return any(not type(p).__module__.startswith("vllm.") for p in sampler.logits_processors)
 
     def prepare_attn(self, input_batch):
         block_tables, slot_mappings = super().prepare_attn(input_batch)  # slots from linear positions
@@ -194,7 +220,8 @@ class TreeRunnerV2Mixin:
         drafts = np.asarray(drafts[:R])
         scheduled = np.diff(input_batch.query_start_loc_np[: R + 1])
         # a tree request's query rows are its root and its drafts (not a prefill chunk)
-        tree = (drafts > 0) & (scheduled == drafts + 1) & self.tree_eligible[input_batch.idx_mapping_np[:R]]
+        kind = self.tree_kind[input_batch.idx_mapping_np[:R]]
+        tree = (drafts > 0) & (scheduled == drafts + 1) & (kind != NO_TREE)
         cu_logits = np.asarray(input_batch.cu_num_logits_np[: R + 1])
         # every logits row of a request with drafts verifies one of them: all invalid, so V2 samples
         # one token per request (row 0's) as without speculation
@@ -202,28 +229,30 @@ class TreeRunnerV2Mixin:
         groups = {}
         for nodes in np.unique(drafts[tree] + 1):
             rows_np = np.flatnonzero(tree & (drafts + 1 == nodes))
-            groups[int(nodes)] = self._tree_group(input_batch, int(nodes), rows_np, cu_logits[rows_np])
+            groups[int(nodes)] = self._tree_group(input_batch, int(nodes), rows_np, cu_logits[rows_np],
+                                                  np.flatnonzero(kind[rows_np] == SAMPLED))
         step = TreeStepV2(groups=groups, invalid=upload(invalid, self.device))
         if groups:
             self._publish(input_batch, groups, covers_batch=bool(tree.all()))
         return step
 
-    def _tree_group(self, input_batch, nodes: int, rows_np: np.ndarray, logit_start_np: np.ndarray) -> TreeGroupV2:
+    def _tree_group(self, input_batch, nodes: int, rows_np: np.ndarray, logit_start_np: np.ndarray,
+                    sampled_np: np.ndarray) -> TreeGroupV2:
         q_start_np = input_batch.query_start_loc_np[rows_np].astype(np.int64)
         rows, q_starts, logit_starts = upload(np.stack([rows_np.astype(np.int64), q_start_np,
                                                         logit_start_np.astype(np.int64)]), self.device)
-        node_rows = q_starts[:, None] + torch.arange(nodes, device=self.device)
+        rows_of_nodes = node_rows(q_starts, nodes)
         context_lens = input_batch.positions[q_starts].to(torch.int64)  # the root's position (V2's, linear)
         parents = self.speculator.tree_parents[input_batch.idx_mapping[rows], :nodes]
         build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode,
                                       max_depth=nodes - 1, validate=False)  # trees by construction: no sync
-        input_batch.positions[node_rows.flatten()] = build.positions.flatten().to(input_batch.positions.dtype)
-        candidates = input_batch.input_ids[node_rows].to(torch.int64)
+        input_batch.positions[rows_of_nodes.flatten()] = build.positions.flatten().to(input_batch.positions.dtype)
+        candidates = input_batch.input_ids[rows_of_nodes].to(torch.int64)
         return TreeGroupV2(nodes=nodes, rows_np=rows_np, q_start_np=q_start_np, logit_start_np=logit_start_np,
                            rows=rows, q_starts=q_starts,
-                           logit_rows=logit_starts[:, None] + torch.arange(nodes, device=self.device),
-                           context_lens=context_lens, candidates=candidates,
-                           build=build)
+                           logit_rows=node_rows(logit_starts, nodes),
+                           context_lens=context_lens, candidates=candidates, build=build,
+                           sampled=upload(sampled_np.astype(np.int64), self.device) if len(sampled_np) else None)
 
     def _publish(self, input_batch, groups: dict, covers_batch: bool) -> None:
         from .runner import range_start

@@ -28,6 +28,8 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import prepare_prefill_inputs
 
+from spec_plugins.tree_commit import linear_positions, path_order
+
 from .attention import publish_verify_trees
 from .config import TreeConfigError
 from .proposer import TreeDrafter
@@ -113,16 +115,11 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
         kv_groups = runner.target_kv_groups(slot_mappings)
         source = torch.arange(features.shape[0], device=features.device)
         for g in step.groups.values():
-            rows = g.node_rows  # [B, T]
-            depth = torch.arange(g.accept_index.shape[1], device=rows.device)
-            width = min(g.nodes, g.accept_index.shape[1])
-            path = g.accept_index[:, :width]
-            src = torch.where(path >= 0, g.q_starts[:, None] + path, rows[:, :width])
-            source.scatter_(0, rows[:, :width].flatten(), src.flatten())
             for slots, caches in kv_groups:
-                stk.move_accepted_kv(caches, slots[rows].to(torch.int64), g.accept_index, g.accept_length,
+                stk.move_accepted_kv(caches, slots[g.node_rows].to(torch.int64), g.accept_index, g.accept_length,
                                      impl=runner.tree_impl)
-            input_batch.positions[rows.flatten()] = (g.context_lens[:, None] + depth[: g.nodes]).flatten().to(
+            source = source[path_order(features.shape[0], g.q_starts, g.accept_index, g.nodes)]
+            input_batch.positions[g.node_rows.flatten()] = linear_positions(g.context_lens, g.nodes).to(
                 input_batch.positions.dtype)
         input_batch.input_ids[: features.shape[0]] = input_batch.input_ids[source]
         return features[source]

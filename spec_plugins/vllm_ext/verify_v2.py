@@ -8,8 +8,11 @@ root (``input_batch.logits_indices``; request r's rows are
 1. V2's own rejection sampler runs with every draft of the step marked
    invalid: each request gets the one token V2 would sample without
    speculation (its penalties, processors, logprobs, seeds);
-2. for the greedy tree requests of the step, the tree walk on the target's
-   argmax at every node replaces that: accepted path tokens then the bonus,
+2. for the tree requests of the step, the tree walk replaces that: greedy
+   ones on the target's argmax at every node, sampled ones (temperature > 0,
+   no seed) by target-only rejection (``verify_tree_sampling``) on the
+   distribution V2's sampler would draw from at every node (its own
+   ``apply_sampling_params``); accepted path tokens then the bonus,
    ``num_sampled = accepted + 1``, ``num_rejected = drafts - accepted``, as
    V2's ``post_update`` expects of a chain that accepted as many.
 
@@ -38,25 +41,57 @@ class TreeVerifierV2:
             return self.inner(logits, input_batch, draft_logits, invalid_drafts)
         invalid = step.invalid if invalid_drafts is None else step.invalid | invalid_drafts
         out = self.inner(logits, input_batch, draft_logits, invalid)
+        processed = None
+        if any(g.sampled is not None for g in step.groups.values()):
+            processed = self._processed_logits(logits, input_batch)
         for g in step.groups.values():
-            self._walk(g, logits, out)
+            self._walk(g, logits, processed, out)
         step.verified = True
         self.runner.tree_stats.verify_steps += bool(step.groups)
         return out
 
-    def _walk(self, g, logits: torch.Tensor, out) -> None:
-        """Greedy walk of the group's trees; their rows of ``out`` rewritten."""
+    def _processed_logits(self, logits: torch.Tensor, input_batch) -> torch.Tensor:
+        """[num_logits, V] the logits V2's rejection sampler draws from (``_verify``:
+        ``apply_sampling_params`` with the same arguments): temperature, min-p,
+        top-k / top-p per request, in V2's order and with V2's kernels. Only rows
+        of requests nothing else acts on are read (``params_allow_speculation``)."""
+        from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
+
+        sampler = self.inner.sampler
+        draft_sampled, pos = gather_draft_sampled(input_batch.input_ids, input_batch.positions,
+                                                  input_batch.logits_indices, input_batch.expanded_idx_mapping,
+                                                  input_batch.expanded_local_pos, sampler.req_states.prefill_len.gpu)
+        return sampler.apply_sampling_params(logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
+                                             input_batch.idx_mapping_np, pos, draft_sampled,
+                                             input_batch.expanded_local_pos,
+                                             input_batch.seq_lens_cpu_upper_bound.numpy())
+
+    def _walk(self, g, logits: torch.Tensor, processed: torch.Tensor | None, out) -> None:
+        """The group's walks (greedy on the argmax; sampled trees by target-only
+        rejection on V2's distribution); their rows of ``out`` rewritten."""
         runner = self.runner
         depth = runner.verify_depth
         predict = logits[g.logit_rows.flatten()].argmax(dim=-1).view(-1, g.nodes)
         res = stk.verify_tree_greedy(g.candidates, g.build.retrieve_next_token, g.build.retrieve_next_sibling,
                                      predict, depth, impl=runner.tree_impl)
-        g.accept_index = res.accept_index.to(torch.int64)
-        g.accept_length = res.accept_length.to(torch.int64)
+        accept_index, accept_length = res.accept_index.to(torch.int64), res.accept_length.to(torch.int64)
+        accept_tokens = res.accept_tokens.to(torch.int64)
+        if g.sampled is not None:
+            s = g.sampled
+            probs = processed[g.logit_rows[s].flatten()].float().softmax(dim=-1).view(len(s), g.nodes, -1)
+            coins = torch.rand(len(s), g.nodes, device=probs.device)
+            exponentials = torch.empty(len(s), probs.shape[-1], device=probs.device).exponential_()
+            drawn = stk.verify_tree_sampling(g.candidates[s], g.build.retrieve_next_token[s],
+                                             g.build.retrieve_next_sibling[s], probs, coins, exponentials, depth,
+                                             impl=runner.tree_impl)
+            accept_index[s] = drawn.accept_index.to(torch.int64)
+            accept_length[s] = drawn.accept_length.to(torch.int64)
+            accept_tokens[s] = drawn.accept_tokens.to(torch.int64)
+        g.accept_index, g.accept_length = accept_index, accept_length
         width = min(depth + 1, out.sampled_token_ids.shape[1])
         sampled = torch.full((len(g.rows_np), out.sampled_token_ids.shape[1]), -1,
                              dtype=out.sampled_token_ids.dtype, device=logits.device)
-        sampled[:, :width] = res.accept_tokens[:, :width].to(sampled.dtype)
+        sampled[:, :width] = accept_tokens[:, :width].to(sampled.dtype)
         out.sampled_token_ids[g.rows] = sampled
         out.num_sampled[g.rows] = (g.accept_length + 1).to(out.num_sampled.dtype)
         out.num_rejected[g.rows] = (g.nodes - 1 - g.accept_length).to(out.num_rejected.dtype)

