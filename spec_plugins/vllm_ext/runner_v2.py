@@ -17,10 +17,10 @@ them in a device buffer indexed like V2's request states
 2. ``TreeVerifierV2`` (in V2's rejection sampler's place): V2's own sampler
    runs with every draft of the step marked invalid, so each request gets one
    token exactly as without speculation (penalties, logprobs, structured
-   output, sampled requests: V2's code); then the greedy tree walk
-   (``spec_tree_kernels.verify_tree_greedy`` on the target's argmax at every
-   node) replaces the output of the greedy requests that drafted a tree: the
-   accepted path's tokens and the bonus, ``num_sampled`` / ``num_rejected``
+   output, seeds: V2's code); then the tree walk (greedy on the target's
+   argmax; sampled by target-only rejection on V2's distribution) replaces the
+   output of the requests that drafted a tree: the accepted path's tokens and
+   the bonus, ``num_sampled`` / ``num_rejected``
    as for a chain that accepted as many. V2's ``post_update`` then commits
    them as it commits a chain's.
 3. ``TreeEagleSpeculatorV2.propose``: the accepted nodes' target KV moves to
@@ -33,15 +33,16 @@ them in a device buffer indexed like V2's request states
    tokens returned to V2 (which stores them as the next step's drafts) with
    its parents kept on the device.
 
-Requests that may not be speculated (anything but plain greedy:
-``requests.params_allow_speculation`` and temperature 0) still carry drafts
+Requests that may not be speculated (``requests.params_allow_speculation``,
+a logits processor that applies, or a seed: V2 keys a seeded request's draws
+by seed and position, which trees would not reproduce) still carry drafts
 (V2 drafts for every request) but every one of them is marked invalid, so V2
 samples their one token per step as without speculation.
 
-No step reads the device on the host here. Not yet on V2: sampled trees
-(temperature > 0 decodes one token per step), the adaptive budget (refused at
-startup), CUDA (the V2 tree path is checked on vLLM-CPU's V2 under Triton's
-interpreter only; on CUDA tree mode still pins the V1 runner).
+No step reads the device on the host here. Not yet on V2: the adaptive budget
+and the options ``config.V2_REFUSALS`` names (refused at startup), CUDA (the
+V2 tree path is checked on vLLM-CPU's V2 under Triton's interpreter only; on
+CUDA tree mode still pins the V1 runner).
 """
 
 from __future__ import annotations
