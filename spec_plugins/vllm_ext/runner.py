@@ -53,7 +53,7 @@ from spec_plugins.tree_drafting import chain_counterfactual
 
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import settings_from_vllm_config
-from .proposer import TreeDrafter, check_head_fits_target, check_loaded_head
+from .proposer import TreeDrafter, check_head_fits_target, check_loaded_head, drafts_that_fit
 from .requests import install_full_logitsprocs, may_speculate, spread_bonus_logprobs
 from .startup_checks import check_at_startup, warm_tree_kernels
 
@@ -777,10 +777,12 @@ class TreeRunnerMixin:
                                         int(step.kv_bound[rows].max()), block_table[rows_dev.to(block_table.device)],
                                         self._draft_kv_views(), shape)
         T = trees.parents.shape[1]
-        host = torch.cat([trees.tokens, trees.parents, trees.top1.to(trees.tokens.dtype)], 1).tolist()  # the read
+        host = torch.cat([trees.tokens, trees.parents, trees.top1.to(trees.tokens.dtype),
+                          step.kv_len[rows_dev, None].to(trees.tokens.dtype)], 1).tolist()  # the read
         for i, r in enumerate(rows):
-            drafts[r] = host[i][: T - 1]
-            self._drafted[req_ids[r]] = (drafts[r], host[i][T - 1 : 2 * T - 1], [x == 1 for x in host[i][2 * T - 1 :]])
+            drafts[r] = host[i][: drafts_that_fit(host[i][-1], self.max_model_len, T - 1)]  # no drafts past the cap
+            self._drafted[req_ids[r]] = (drafts[r], host[i][T - 1 : 2 * T - 1],
+                                         [x == 1 for x in host[i][2 * T - 1 : 3 * T - 1]])
         return drafts
 
     def _may_speculate(self, req_id: str) -> bool:
