@@ -431,6 +431,12 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     check_tensor_parallel_heads(parallel.tensor_parallel_size, spec.draft_model_config.hf_config,
                                 model.hf_text_config, spec.draft_model_config.model)
     check_draft_rows_fit(vllm_config, settings)
+    if getattr(vllm_config.compilation_config, "use_inductor_graph_partition", False):
+        raise TreeConfigError(
+            "compilation_config.use_inductor_graph_partition=True is not supported with spec_tree: the head's "
+            "KV-cache write would be captured inside inductor's CUDA-graph partitions and replay during the draft "
+            "levels, whose KV must stay out of the paged cache, overwriting the head's committed KV; leave it "
+            "unset (vLLM's piecewise splitting at attention serves trees)")
     if settings.menu and parallel.tensor_parallel_size > 1:
         raise TreeConfigError(f"spec_tree budget='auto' with tensor_parallel_size={parallel.tensor_parallel_size}: "
                               "every rank times its own steps, so ranks could pick different shapes for one step; "

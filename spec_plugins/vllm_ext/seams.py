@@ -132,6 +132,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.config:CompilationConfig", "mode", "field", why="NONE (enforce_eager): the head takes any rows",
          stage=REG),
     Seam("vllm.config:CompilationMode", "NONE", "member", why="an eager head", stage=REG),
+    Seam("vllm.config:CompilationConfig", "use_inductor_graph_partition", "field",
+         why="refused with trees (validate_vllm_config)", stage=REG),
     Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "__init__", "writes",
          "self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens",
          "the drafter's input buffers hold max_num_batched_tokens rows (check_draft_rows_fit)"),

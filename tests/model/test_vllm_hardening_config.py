@@ -138,6 +138,22 @@ def test_compiled_head_row_budget_is_refused_before_the_model_loads(monkeypatch)
         engine_config(target, enforce_eager=False, speculative_config=EAGLE3, additional_config=TREE, **sizes)
 
 
+# ------------------------------- #53 item 9: inductor graph partition
+
+
+def test_inductor_graph_partition_is_refused_by_name():
+    """With use_inductor_graph_partition the head's KV write would be captured inside inductor's partitions and
+    replay in draft levels; refused by name when vLLM builds the config. Engines without trees keep it. (The same
+    refusal through vLLM 0.33's parser under a CUDA platform: docs/vllm.md's command-line table, run by
+    test_vllm_cuda_guard.py.)"""
+    target = str(ensure_converted())
+    with pytest.raises(tc.TreeConfigError, match=r"compilation_config.use_inductor_graph_partition=True"):
+        engine_config(target, compilation_config={"use_inductor_graph_partition": True}, speculative_config=EAGLE3,
+                      additional_config=TREE)
+    assert engine_config(target, compilation_config={"use_inductor_graph_partition": True}
+                         ).compilation_config.use_inductor_graph_partition is True
+
+
 def cpu_impl(**kw):
     from vllm.config import VllmConfig, set_current_vllm_config
 
