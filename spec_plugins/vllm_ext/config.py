@@ -430,6 +430,13 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
                               f"{parallel.data_parallel_size}: spec_tree supports {SUPPORTED_PARALLELISM} only")
     check_tensor_parallel_heads(parallel.tensor_parallel_size, spec.draft_model_config.hf_config,
                                 model.hf_text_config, spec.draft_model_config.model)
+    check_draft_rows_fit(vllm_config, settings)
+    if getattr(vllm_config.compilation_config, "use_inductor_graph_partition", False):
+        raise TreeConfigError(
+            "compilation_config.use_inductor_graph_partition=True is not supported with spec_tree: the head's "
+            "KV-cache write would be captured inside inductor's CUDA-graph partitions and replay during the draft "
+            "levels, whose KV must stay out of the paged cache, overwriting the head's committed KV; leave it "
+            "unset (vLLM's piecewise splitting at attention serves trees)")
     if settings.menu and parallel.tensor_parallel_size > 1:
         raise TreeConfigError(f"spec_tree budget='auto' with tensor_parallel_size={parallel.tensor_parallel_size}: "
                               "every rank times its own steps, so ranks could pick different shapes for one step; "
@@ -443,6 +450,28 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     from .requests import mark_tree_engine
 
     mark_tree_engine(vllm_config)  # min_p / logit_bias requests are served (logit_bias without speculation)
+
+
+def check_draft_rows_fit(vllm_config, settings: TreeSettings) -> None:
+    """A draft level runs every drafting request's K frontier nodes through the
+    head at once. A compiled head (vLLM's piecewise backend, the CUDA default)
+    takes at most the drafter's buffer of ``max_num_batched_tokens`` rows per
+    forward (vLLM's ``LLMBaseProposer.input_ids``); more would fail inside a
+    step. Known from the config alone, so refused here, before any weights load
+    (``compilation_config.mode`` is final: ``enforce_eager`` set it to NONE in
+    VllmConfig's ``__post_init__``)."""
+    from vllm.config import CompilationMode
+
+    if vllm_config.compilation_config.mode == CompilationMode.NONE:  # eager: any number of rows
+        return
+    topk = max(s.topk for s in (settings.menu or (settings.shape,)) if s is not None)
+    scheduler = vllm_config.scheduler_config
+    seqs, limit = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+    if seqs * topk > limit:
+        raise TreeConfigError(
+            f"max_num_seqs={seqs} x topk={topk} = {seqs * topk} head rows per draft level exceeds the compiled "
+            f"head's {limit} (max_num_batched_tokens): set max_num_seqs <= {limit // topk}, "
+            f"max_num_batched_tokens >= {seqs * topk}, or enforce_eager=True")
 
 
 # Model Runner V2 options the V2 tree runner does not serve yet: (what, value getter, why).

@@ -44,6 +44,10 @@ class TreeDrafter:
         if len(names) != 1:
             raise TreeConfigError(f"spec_tree drafts with a one-layer EAGLE head; vLLM built draft layers {names}")
         self.layer_name = names[0]
+        # vLLM sizes the head's RoPE cache to exactly the target's max_model_len when the head's own
+        # max_position_embeddings is smaller (SpeculativeConfig._maybe_override_draft_max_position_embeddings,
+        # the yuhuili 2048 heads): draft positions are clamped to it (``draft_positions``)
+        self.max_model_len = self.vllm_drafter.max_model_len
         d2t = getattr(self.model, "draft_id_to_target_id", None)  # EAGLE-3 reduced vocabulary: offsets
         self.draft_to_target = None if d2t is None else d2t + torch.arange(d2t.shape[0], device=d2t.device)
 
@@ -109,12 +113,11 @@ class TreeDrafter:
         if K == 1:  # a chain verifies T - 1 drafts: deeper levels would be drafted for nothing
             S = max(1, min(S, shape.num_draft_tokens - 1))
         branch = self._branch_attention(kv_lens, max_kv_len, block_rows, kv_views, (S - 1) * K)
-        base_positions = kv_lens - 1
 
         def step(level, tokens, hidden, ancestors):
             R = tokens.shape[0]
             branch.ancestors = ancestors
-            positions = (base_positions + level).repeat_interleave(K)  # contiguous: vLLM's CPU RoPE needs it
+            positions = draft_positions(kv_lens, level, K, self.max_model_len)
             h_logits, h_next = self._forward({self.layer_name: branch}, tokens.flatten(), positions,
                                              hidden.flatten(0, 1))
             return self.logits(h_logits).view(R, K, -1), h_next.view(R, K, -1)
@@ -129,6 +132,32 @@ class TreeDrafter:
         impl = self.runner.compilation_config.static_forward_context[self.layer_name].impl
         return BranchAttention.from_paged(*kv_views, block_rows, kv_lens, max_kv_len, branch_entries, impl.scale,
                                           impl=impl.tree_impl)
+
+
+def draft_positions(kv_lens: torch.Tensor, level: int, topk: int, max_model_len: int) -> torch.Tensor:
+    """[R * K] head positions of draft level ``level`` (its K nodes per request sit at depth ``level``:
+    position kv_len - 1 + level), each request's repeated K times (contiguous: vLLM's CPU RoPE needs it).
+
+    As vLLM clamps its own drafter's positions (``eagle_step_slot_mapping_metadata_kernel``, called by
+    ``SpecDecodeBaseProposer._update_positions_dependent_metadata``): a position at or past max_model_len
+    becomes 0, so the head's RoPE cache (max_model_len rows at least) is never read past its end. Such a
+    node's drafts are never verified: the scheduler keeps at most max_model_len - kv_len - 2 drafts
+    (``drafts_that_fit``), all at smaller depths. vLLM also sends such a row's KV to the padding slot; the
+    draft levels' KV never goes to the paged cache here (a scratch tensor, ``BranchAttention``)."""
+    positions = kv_lens - 1 + level
+    positions = torch.where(positions >= max_model_len, torch.zeros_like(positions), positions)
+    return positions.repeat_interleave(topk)
+
+
+def drafts_that_fit(kv_len: int, max_model_len: int, num_drafts: int) -> int:
+    """How many of a request's ``num_drafts`` BFS-ordered drafts can still be verified and emitted.
+
+    ``kv_len``: the request's committed positions after this step (vLLM's num_computed_tokens once the
+    step is applied; its last sampled token is not computed yet). The next step runs that token at
+    position kv_len and the drafts after it, and the token sampled after the last one must fit too: vLLM's
+    scheduler caps the step at max_model_len - num_computed_tokens - 1 tokens, so at most
+    max_model_len - kv_len - 2 drafts (a BFS prefix: depths <= that count)."""
+    return max(0, min(num_drafts, max_model_len - kv_len - 2))
 
 
 def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:

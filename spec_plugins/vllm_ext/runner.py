@@ -57,6 +57,7 @@ from .proposer import (
     TreeDrafter,
     check_head_fits_target,
     check_loaded_head,
+    drafts_that_fit,
     share_embeddings_with_any_target,
     share_tied_lm_head,
 )
@@ -316,10 +317,6 @@ class TreeRunnerMixin:
     def group_block_table(self, gid: int) -> torch.Tensor:
         """[max_num_reqs, max_blocks] KV cache group ``gid``'s block table, as attention metadata carries it."""
         return self.input_batch.block_table[gid].block_table.gpu
-
-    def head_row_limit(self) -> int:
-        """Rows a compiled head takes per forward: vLLM's drafter buffers."""
-        return self.drafter.input_ids.shape[0]
 
     def _layer_kv(self, name: str) -> torch.Tensor:
         kv = self.compilation_config.static_forward_context[name].kv_cache
@@ -793,10 +790,12 @@ class TreeRunnerMixin:
                                         int(step.kv_bound[rows].max()), block_table[rows_dev.to(block_table.device)],
                                         self._draft_kv_views(), shape)
         T = trees.parents.shape[1]
-        host = torch.cat([trees.tokens, trees.parents, trees.top1.to(trees.tokens.dtype)], 1).tolist()  # the read
+        host = torch.cat([trees.tokens, trees.parents, trees.top1.to(trees.tokens.dtype),
+                          step.kv_len[rows_dev, None].to(trees.tokens.dtype)], 1).tolist()  # the read
         for i, r in enumerate(rows):
-            drafts[r] = host[i][: T - 1]
-            self._drafted[req_ids[r]] = (drafts[r], host[i][T - 1 : 2 * T - 1], [x == 1 for x in host[i][2 * T - 1 :]])
+            drafts[r] = host[i][: drafts_that_fit(host[i][-1], self.max_model_len, T - 1)]  # no drafts past the cap
+            self._drafted[req_ids[r]] = (drafts[r], host[i][T - 1 : 2 * T - 1],
+                                         [x == 1 for x in host[i][2 * T - 1 : 3 * T - 1]])
         return drafts
 
     def _may_speculate(self, req_id: str) -> bool:

@@ -168,10 +168,6 @@ class TreeRunnerV2Mixin:
     def group_block_table(self, gid: int) -> torch.Tensor:
         return self.block_tables.input_block_tables[gid]
 
-    def head_row_limit(self) -> int:
-        """Rows a compiled head takes per forward: vLLM compiles it for up to
-        max_num_batched_tokens (its compile ranges end there)."""
-        return self.scheduler_config.max_num_batched_tokens
 
     # ---------------------------------------------------------- V2 overrides
     def add_requests(self, scheduler_output) -> None:

