@@ -34,8 +34,10 @@ Sections (the JSON key of each in brackets):
    own Triton build + verify where available; [headline]: our mask build +
    verify + KV move per step at batch 256, T 8, context 32k against SGLang's.
 5b. [graphs] issue #37: the tree step's own ops (a draft level after the
-   head, the selection, the greedy walk + last node per walk implementation)
-   captured in a CUDA graph, replayed on new inputs, compared exactly with
+   head, the selection, the greedy walk + last node per walk implementation;
+   issue #49: the V2 runner's device step around the target forward: tree
+   build from parents, walk, KV move, path-order gather) captured in a CUDA
+   graph, replayed on new inputs, compared exactly with
    eager; reduced mode: torch.compile(fullgraph=True) of the same cases.
    Only this section: --skip correctness,sglang,sanitizer,bench,attention,sglang_graphs.
 6. [tree_attention] issue #17: split-KV vs single-pass tree attention

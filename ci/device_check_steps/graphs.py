@@ -9,7 +9,12 @@ with an eager call on the same inputs:
 * ``select``: the tree selection (``select_trees``, the implementation the
   runner gets on CUDA);
 * ``verify_tail``: the greedy walk and each tree's last accepted node, for each
-  walk implementation the run has (triton, and cuda once built).
+  walk implementation the run has (triton, and cuda once built);
+* ``v2_step`` (issue #49): what the V2 tree runner does on the device around
+  the target forward, per implementation: the tree build from the drafted
+  parents (positions, mask, links; no validation, so no host read), the
+  walk, the accepted-path KV move and the gather of each tree's rows into
+  path order (``spec_plugins.tree_commit``).
 
 A host read inside raises during capture, so a pass means the op is
 capturable. Reduced mode (CPU): the same cases through
@@ -54,6 +59,34 @@ def verify_inputs(seed: int, device):
     return [t.to(device) for t in (candidates, build.retrieve_next_token, build.retrieve_next_sibling, predict)]
 
 
+def v2_step_inputs(seed: int, device):
+    """A step of R trees of T nodes after 5 rows of another request (a prefill chunk)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    parents = torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(T - 1, generator=g) * torch.arange(1, T)).long()])
+                           for _ in range(R)])
+    context = torch.randint(50, 150, (R,), generator=g)
+    q_starts = 5 + T * torch.arange(R)
+    tokens = torch.randint(0, 3, (5 + R * T,), generator=g)
+    predict = torch.randint(0, 3, (R, T), generator=g)
+    k, v = torch.randn(2, 64, 16, 2, 8, generator=g)  # [num_blocks, block_size, H, D] each
+    slots = torch.randperm(64 * 16, generator=g)[: R * T].view(R, T)
+    return [t.to(device) for t in (parents, context, q_starts, tokens, predict, k, v, slots)]
+
+
+def v2_step(impl: str):
+    from spec_plugins.tree_commit import node_rows, path_order
+
+    def step(parents, context, q_starts, tokens, predict, k, v, slots):
+        build = stk.tree_from_parents(parents, context, "ANCESTOR_BITMASK", max_depth=T - 1, validate=False)
+        res = stk.verify_tree_greedy(tokens[node_rows(q_starts, T)], build.retrieve_next_token,
+                                     build.retrieve_next_sibling, predict, T - 1, impl=impl)
+        stk.move_accepted_kv([k, v], slots, res.accept_index, res.accept_length, impl=impl)
+        source = path_order(tokens.shape[0], q_starts, res.accept_index, T)
+        return build.positions, build.tree_mask, res.accept_tokens, tokens[source], k, v
+
+    return step
+
+
 def cases(run: CheckRun):
     d2t = torch.arange(V, device=run.device) * 2
     shape = TreeShape(S, K, T)
@@ -69,6 +102,7 @@ def cases(run: CheckRun):
             res = stk.verify_tree_greedy(candidates, next_token, next_sibling, predict, T - 1, impl=impl)
             return res, res.accept_index.long().gather(1, res.accept_length.long()[:, None])[:, 0]
         yield f"verify_tail_{impl}", verify_inputs, tail
+        yield f"v2_step_{impl}", v2_step_inputs, v2_step(impl)
 
 
 def leaves_equal(a, b) -> bool:
