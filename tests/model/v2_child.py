@@ -72,6 +72,8 @@ def run_engine(engine: dict, jobs: list[dict]) -> dict:
     from vllm import LLM, SamplingParams
 
     inject(engine.get("fault"))
+    if "kv_cache_memory_bytes" not in engine["kwargs"]:  # vLLM-CPU's default depends on the machine's free memory
+        raise ValueError(f"engine {engine['name']!r} must state kv_cache_memory_bytes (tests/test_engine_sizing.py)")
     llm = LLM(**engine["kwargs"])
     runner = llm.collective_rpc(lambda worker: f"{type(worker.model_runner).__module__}."
                                                f"{type(worker.model_runner).__name__}")[0]
