@@ -34,20 +34,26 @@ from .config import TreeConfigError
 
 class TreeDrafter:
     def __init__(self, runner, shape: TreeShape, impl: str):
-        self.runner = runner
         self.vllm_drafter = runner.drafter  # vLLM's EagleProposer: owns the head model and its attention groups
-        self.model = runner.drafter.model
+        self._setup(runner, runner.drafter.model, runner.drafter._draft_attn_layer_names,
+                    runner.drafter.max_model_len, shape, impl)
+
+    def _setup(self, runner, model, layer_names, max_model_len: int, shape: TreeShape, impl: str) -> None:
+        """What every runner's drafter holds: the head vLLM loaded (``model``), its
+        one attention layer, the target's max_model_len, the shape and the ops' impl."""
+        self.runner = runner
+        self.model = model
         self.shape = shape
         self.impl = impl
         self.eagle3 = runner.vllm_config.speculative_config.method == "eagle3"
-        names = sorted(self.vllm_drafter._draft_attn_layer_names)
+        names = sorted(layer_names)
         if len(names) != 1:
             raise TreeConfigError(f"spec_tree drafts with a one-layer EAGLE head; vLLM built draft layers {names}")
         self.layer_name = names[0]
         # vLLM sizes the head's RoPE cache to exactly the target's max_model_len when the head's own
         # max_position_embeddings is smaller (SpeculativeConfig._maybe_override_draft_max_position_embeddings,
         # the yuhuili 2048 heads): draft positions are clamped to it (``draft_positions``)
-        self.max_model_len = self.vllm_drafter.max_model_len
+        self.max_model_len = max_model_len
         d2t = getattr(self.model, "draft_id_to_target_id", None)  # EAGLE-3 reduced vocabulary: offsets
         self.draft_to_target = None if d2t is None else d2t + torch.arange(d2t.shape[0], device=d2t.device)
 

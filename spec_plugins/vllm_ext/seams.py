@@ -203,7 +203,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam(V2_EAGLE, "_run_model", "method", "num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, "
          "cudagraph_runtime_mode, ...", "the head's forward over the step's rows", platform="cpu"),
     *(Seam(V2_EAGLE, a, "attr", why="the head and its buffers", platform="cpu") for a in (
-        "model", "method", "draft_attn_layer_names", "draft_tokens", "max_num_reqs", "last_token_indices",
+        "model", "method", "draft_attn_layer_names", "draft_tokens", "max_num_reqs", "max_model_len",
+        "last_token_indices",
         "current_draft_step", "input_buffers", "hidden_states", "block_tables", "kv_cache_config")),
     Seam("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "prepare_prefill_inputs", "method",
          "last_token_indices, current_draft_step, input_buffers, input_batch, num_sampled, num_rejected, "

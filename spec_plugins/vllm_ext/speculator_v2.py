@@ -31,7 +31,6 @@ from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import prepar
 from spec_plugins.tree_commit import linear_positions, path_order
 
 from .attention import publish_verify_trees
-from .config import TreeConfigError
 from .proposer import TreeDrafter
 
 
@@ -39,18 +38,9 @@ class V2TreeDrafter(TreeDrafter):
     """``TreeDrafter``'s levels over the head V2's speculator loaded, run eager."""
 
     def __init__(self, speculator: "TreeEagleSpeculatorV2", runner, shape, impl: str):
-        self.runner = runner
         self.speculator = speculator
-        self.model = speculator.model
-        self.shape = shape
-        self.impl = impl
-        self.eagle3 = speculator.method == "eagle3"
-        names = sorted(speculator.draft_attn_layer_names)
-        if len(names) != 1:
-            raise TreeConfigError(f"spec_tree drafts with a one-layer EAGLE head; vLLM built draft layers {names}")
-        self.layer_name = names[0]
-        d2t = getattr(self.model, "draft_id_to_target_id", None)
-        self.draft_to_target = None if d2t is None else d2t + torch.arange(d2t.shape[0], device=d2t.device)
+        self._setup(runner, speculator.model, speculator.draft_attn_layer_names, speculator.max_model_len, shape,
+                    impl)
 
     def _forward(self, attn_metadata: dict, input_ids, positions, hidden, slot_mapping=None):
         """The head over N rows -> (hidden for logits, hidden for the next level) [N, H].
