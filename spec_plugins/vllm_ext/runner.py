@@ -544,20 +544,30 @@ class TreeRunnerMixin:
 
         metadata = self.input_batch.sampling_metadata
         batch_rows = [g.rows[i] for i in g.sampled]
-        B, T, V = len(batch_rows), node_logits.shape[1], node_logits.shape[2]
-        rows_t = self._members(g.rows_dev, sel)
-        min_p = [self.requests[self.input_batch.req_ids[r]].sampling_params.min_p for r in batch_rows]
-        probs = sampling.node_probs(
-            self._members(node_logits, sel).reshape(B * T, V),
-            sampling.expand(metadata.temperature, rows_t, T),
-            upload(torch.tensor(min_p, dtype=torch.float32), node_logits.device).repeat_interleave(T)
-            if any(min_p) else None,
-            sampling.expand(metadata.top_k, rows_t, T), sampling.expand(metadata.top_p, rows_t, T)).view(B, T, V)
-        coins, exponentials = sampling.draw_randoms(batch_rows, T, V, metadata.generators, probs.device)
         m = self._members
-        return stk.verify_tree_sampling(m(g.candidates, sel), m(g.build.retrieve_next_token, sel),
-                                        m(g.build.retrieve_next_sibling, sel), probs, coins, exponentials,
-                                        self.verify_depth, impl=self.tree_impl)
+        node_logits = m(node_logits, sel)
+        B, T, V = node_logits.shape
+        rows_t = m(g.rows_dev, sel)
+        min_p = [self.requests[self.input_batch.req_ids[r]].sampling_params.min_p for r in batch_rows]
+        min_p_t = upload(torch.tensor(min_p, dtype=torch.float32), node_logits.device) if any(min_p) else None
+        links = (m(g.candidates, sel), m(g.build.retrieve_next_token, sel), m(g.build.retrieve_next_sibling, sel))
+
+        def probs_of(block):
+            n = len(batch_rows[block])
+            return sampling.node_probs(
+                node_logits[block].reshape(n * T, V), sampling.expand(metadata.temperature, rows_t[block], T),
+                None if min_p_t is None else min_p_t[block].repeat_interleave(T),
+                sampling.expand(metadata.top_k, rows_t[block], T),
+                sampling.expand(metadata.top_p, rows_t[block], T)).view(n, T, V)
+
+        def walk_of(block, probs, coins, exponentials):
+            return stk.verify_tree_sampling(*(t[block] for t in links), probs, coins, exponentials,
+                                            self.verify_depth, impl=self.tree_impl)
+
+        return sampling.verify_in_blocks(
+            node_logits, probs_of,
+            lambda block: sampling.draw_randoms(batch_rows[block], T, V, metadata.generators, node_logits.device),
+            walk_of)
 
     def after_tree_sampling(self, out, groups: dict[int, TreeGroup]) -> None:
         """Hook for the test-only faults of ``faults.py``; nothing to do here."""

@@ -138,3 +138,63 @@ def test_sampled_path_temporaries_are_bounded_by_one_block(counted):
     bound = result + sampling.BLOCK_TEMPORARIES * BLOCK_BYTES
     assert bound < 2 * result  # the sizes are chosen so that one call over all rows (~6.5 x) would not fit it
     assert mode.peak <= bound, (mode.peak / result, bound / result)
+
+
+# ------------------------------------------------- #53 item 8: the distribution itself, per request block
+
+
+def _sampled_step(batch: int, nodes: int, vocab: int, seed: int = 0):
+    """Random trees (BFS parents), node logits and randoms for ``batch`` sampled requests."""
+    import spec_tree_kernels as stk
+
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(nodes - 1, generator=g)
+                                                            * torch.arange(1, nodes)).long()]) for _ in range(batch)])
+    build = stk.tree_from_parents(parents, torch.full((batch,), 30), "ANCESTOR_BITMASK")
+    candidates = torch.randint(0, 6, (batch, nodes), generator=g)
+    logits = torch.randn(batch, nodes, vocab, generator=g) * 3
+    logits[..., :6] += 4  # the drafted tokens are likely: walks accept some
+    coins, exponentials = torch.rand(batch, nodes, generator=g), torch.empty(batch, vocab).exponential_(generator=g)
+    return logits, (candidates, build.retrieve_next_token, build.retrieve_next_sibling), coins, exponentials
+
+
+@pytest.mark.parametrize("per_block", [1, 3, 13])
+def test_sampled_walks_in_request_blocks_equal_one_call(per_block):
+    """``verify_in_blocks`` with blocks of 1, 3 or all 13 requests: the same
+    accepted nodes and tokens as one walk over the batch (same randoms), and at
+    most one block's [b, T, V] distribution alive at a time."""
+    import spec_tree_kernels as stk
+
+    B, T, V = 13, 6, 40
+    logits, links, coins, exponentials = _sampled_step(B, T, V)
+    alive, blocks = [], []
+
+    def probs_of(block):
+        assert all(ref() is None for ref in alive), "the previous block's distribution is still alive"
+        probs = logits[block].softmax(-1)
+        alive.append(weakref.ref(probs))
+        blocks.append(probs.shape[0])
+        return probs
+
+    def walk_of(block, probs, c, e):
+        return stk.verify_tree_sampling(*(t[block] for t in links), probs, c, e, T - 1, impl="torch")
+
+    got = sampling.verify_in_blocks(logits, probs_of, lambda b: (coins[b], exponentials[b]), walk_of,
+                                    block_bytes=per_block * T * V * 4)
+    want = stk.verify_tree_sampling(*links, logits.softmax(-1), coins, exponentials, T - 1, impl="torch")
+    assert blocks == [min(per_block, B - s) for s in range(0, B, per_block)]
+    for name in ("accept_index", "accept_length", "accept_tokens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert int(want.accept_length.sum()) > 0  # some drafts were accepted: the walks did something
+
+
+def test_the_runners_block_holds_at_most_probs_block_bytes():
+    """The bound the runner gets: PROBS_BLOCK_BYTES per block, whatever the batch
+    (1024 requests x T 8 x V 128256 would be 4.2 GB in one call)."""
+    T, V = 8, 128256
+    per_block = sampling.PROBS_BLOCK_BYTES // (4 * T * V)
+    assert per_block >= 1 and per_block * T * V * 4 <= sampling.PROBS_BLOCK_BYTES
+    calls = []
+    sampling.verify_in_blocks(torch.empty(1024, T, V, device="meta"), lambda b: calls.append(b) or None,
+                              lambda b: (None, None), lambda b, p, c, e: (torch.zeros(b.stop - b.start),))
+    assert max(b.stop - b.start for b in calls) == per_block and calls[-1].stop == 1024
