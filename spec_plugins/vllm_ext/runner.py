@@ -565,7 +565,7 @@ class TreeRunnerMixin:
                                             self.verify_depth, impl=self.tree_impl)
 
         return sampling.verify_in_blocks(
-            node_logits, probs_of,
+            (B, T, V), probs_of,
             lambda block: sampling.draw_randoms(batch_rows[block], T, V, metadata.generators, node_logits.device),
             walk_of)
 

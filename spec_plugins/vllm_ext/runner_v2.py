@@ -99,6 +99,7 @@ class TreeGroupV2:
     candidates: torch.Tensor
     build: stk.TreeBuild
     sampled: torch.Tensor | None = None  # [S] int64 the group's sampled trees (indices into it); None: all greedy
+    sampled_np: np.ndarray | None = None  # the same, on the host
     accept_index: torch.Tensor | None = None
     accept_length: torch.Tensor | None = None
 
@@ -249,7 +250,8 @@ class TreeRunnerV2Mixin:
                            rows=rows, q_starts=q_starts,
                            logit_rows=node_rows(logit_starts, nodes),
                            context_lens=context_lens, candidates=candidates, build=build,
-                           sampled=upload(sampled_np.astype(np.int64), self.device) if len(sampled_np) else None)
+                           sampled=upload(sampled_np.astype(np.int64), self.device) if len(sampled_np) else None,
+                           sampled_np=sampled_np)
 
     def _publish(self, input_batch, groups: dict, covers_batch: bool) -> None:
         from .runner import range_start

@@ -80,19 +80,19 @@ def _block_probs(logits, temperature, min_p, top_k, top_p) -> torch.Tensor:
 PROBS_BLOCK_BYTES = 256 << 20
 
 
-def verify_in_blocks(node_logits: torch.Tensor, probs_of, randoms_of, walk_of,
+def verify_in_blocks(shape: tuple[int, int, int], probs_of, randoms_of, walk_of,
                      block_bytes: int = PROBS_BLOCK_BYTES):
     """Target-only rejection for B sampled trees, block by block of requests, so
     the step holds one block's [b, T, V] distribution and [b, V] randoms, not
     the batch's (vLLM profiles its sampler with 2 rows per request, not T).
 
-    node_logits [B, T, V]; ``probs_of(block)`` -> [b, T, V] float32 the node
+    shape (B, T, V); ``probs_of(block)`` -> [b, T, V] float32 the node
     distributions of the requests in ``block`` (a slice); ``randoms_of(block)`` ->
     (coins [b, T], exponentials [b, V]); ``walk_of(block, probs, coins,
     exponentials)`` -> ``VerifyResult``. Returns the batch's ``VerifyResult``.
     Each request's walk reads only its own rows and randoms, so blocking leaves
     every result as one call over the batch would give it with the same randoms."""
-    batch, nodes, vocab = node_logits.shape
+    batch, nodes, vocab = shape
     per_block = max(1, block_bytes // (4 * nodes * max(1, vocab)))
     parts = []
     for start in range(0, batch, per_block):  # host-known sizes: one iteration per block, not per request

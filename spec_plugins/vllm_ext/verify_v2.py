@@ -26,6 +26,8 @@ import torch
 
 import spec_tree_kernels as stk
 
+from .sampling import verify_in_blocks
+
 
 class TreeVerifierV2:
     def __init__(self, runner, inner):
@@ -77,13 +79,23 @@ class TreeVerifierV2:
         accept_index, accept_length = res.accept_index.to(torch.int64), res.accept_length.to(torch.int64)
         accept_tokens = res.accept_tokens.to(torch.int64)
         if g.sampled is not None:
-            s = g.sampled
-            probs = processed[g.logit_rows[s].flatten()].float().softmax(dim=-1).view(len(s), g.nodes, -1)
-            coins = torch.rand(len(s), g.nodes, device=probs.device)
-            exponentials = torch.empty(len(s), probs.shape[-1], device=probs.device).exponential_()
-            drawn = stk.verify_tree_sampling(g.candidates[s], g.build.retrieve_next_token[s],
-                                             g.build.retrieve_next_sibling[s], probs, coins, exponentials, depth,
-                                             impl=runner.tree_impl)
+            s, vocab = g.sampled, processed.shape[-1]
+            links = (g.candidates[s], g.build.retrieve_next_token[s], g.build.retrieve_next_sibling[s])
+            rows = g.logit_rows[s]
+
+            def probs_of(block):
+                return processed[rows[block].flatten()].float().softmax(dim=-1).view(-1, g.nodes, vocab)
+
+            def randoms_of(block):  # unseeded requests only (seeded ones stay with V2's sampler)
+                n = block.stop - block.start
+                return (torch.rand(n, g.nodes, device=processed.device),
+                        torch.empty(n, vocab, device=processed.device).exponential_())
+
+            def walk_of(block, probs, coins, exponentials):
+                return stk.verify_tree_sampling(*(t[block] for t in links), probs, coins, exponentials, depth,
+                                                impl=runner.tree_impl)
+
+            drawn = verify_in_blocks((len(g.sampled_np), g.nodes, vocab), probs_of, randoms_of, walk_of)
             accept_index[s] = drawn.accept_index.to(torch.int64)
             accept_length[s] = drawn.accept_length.to(torch.int64)
             accept_tokens[s] = drawn.accept_tokens.to(torch.int64)

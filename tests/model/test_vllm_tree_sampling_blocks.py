@@ -179,7 +179,7 @@ def test_sampled_walks_in_request_blocks_equal_one_call(per_block):
     def walk_of(block, probs, c, e):
         return stk.verify_tree_sampling(*(t[block] for t in links), probs, c, e, T - 1, impl="torch")
 
-    got = sampling.verify_in_blocks(logits, probs_of, lambda b: (coins[b], exponentials[b]), walk_of,
+    got = sampling.verify_in_blocks(logits.shape, probs_of, lambda b: (coins[b], exponentials[b]), walk_of,
                                     block_bytes=per_block * T * V * 4)
     want = stk.verify_tree_sampling(*links, logits.softmax(-1), coins, exponentials, T - 1, impl="torch")
     assert blocks == [min(per_block, B - s) for s in range(0, B, per_block)]
@@ -195,6 +195,6 @@ def test_the_runners_block_holds_at_most_probs_block_bytes():
     per_block = sampling.PROBS_BLOCK_BYTES // (4 * T * V)
     assert per_block >= 1 and per_block * T * V * 4 <= sampling.PROBS_BLOCK_BYTES
     calls = []
-    sampling.verify_in_blocks(torch.empty(1024, T, V, device="meta"), lambda b: calls.append(b) or None,
+    sampling.verify_in_blocks((1024, T, V), lambda b: calls.append(b) or None,
                               lambda b: (None, None), lambda b, p, c, e: (torch.zeros(b.stop - b.start),))
     assert max(b.stop - b.start for b in calls) == per_block and calls[-1].stop == 1024
