@@ -60,6 +60,7 @@ _OUR_PACKAGES = (os.sep + "spec_plugins" + os.sep, os.sep + "spec_tree_kernels" 
                  os.sep + "kernels" + os.sep)
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = os.path.abspath(__file__)
+_CENSUS_FILES = {_THIS_FILE}  # the census's own frames (host_reads_v2 adds its file): never "the caller"
 
 # Tensor methods / torch functions whose result the host must wait for.
 _READS = {
@@ -100,7 +101,7 @@ def _caller() -> tuple[str, str]:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _THIS_FILE:
+        if not path.startswith(_TORCH_DIR) and os.path.abspath(path) not in _CENSUS_FILES:
             owner = "ours" if any(p in path for p in _OUR_PACKAGES) else "engine"
             return owner, f"{os.path.basename(path)}:{frame.f_lineno}"
         frame = frame.f_back

@@ -91,7 +91,7 @@ def test_wheel_holds_the_runtime_and_nothing_else(wheel):
                 for p in (ROOT / "spec_plugins" / ext).glob("*.py") if p.name != "_testing.py"}
     cli = {f"spec_plugins/{m}.py" for m in ("__init__", "cli", "cli_types", "engine_versions", "vllm_runs",
                                              "tree_drafting", "tree_commit", "synthetic_trees", "step_clock", "host_reads",
-                                             "serve")}
+                                             "host_reads_v2", "serve")}
     cli |= {f"spec_plugins/budget/{m}.py" for m in ("__init__", "menu", "costs", "acceptance", "policy")}
     assert "spec_tree_kernels/csrc/tree_ops.cu" in kernels and "spec_plugins/vllm_ext/runner.py" in adapters
     assert "spec_tree_kernels/csrc/tree_attention_cpu.c" in kernels  # the host attention kernel builds from it

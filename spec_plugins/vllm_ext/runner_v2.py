@@ -164,6 +164,18 @@ class TreeRunnerV2Mixin:
         check_tree_attention_installed(self.compilation_config.static_forward_context, target_layers + draft_layers)
         check_at_startup(self, target_layers, draft_layers)
         warm_tree_kernels(self, target_layers, draft_layers)
+        self._warm_kv_move()
+
+    def _warm_kv_move(self) -> None:
+        """The KV move once on every cache list a step passes it, nothing accepted:
+        the kernels keep what they derive from the views (Triton: the views'
+        offsets, uploaded on a miss), so no step uploads it. The shared warm-up
+        moves every layer's KV, the head's too (V1's move); V2's moves the target's."""
+        nodes, width = self.tree_settings.shape.num_draft_tokens, self.verify_depth + 1
+        for _, caches in self._target_kv_caches():
+            stk.move_accepted_kv(caches, torch.zeros(1, nodes, dtype=torch.int64, device=self.device),
+                                 torch.full((1, width), -1, dtype=torch.int64, device=self.device),
+                                 torch.zeros(1, dtype=torch.int64, device=self.device), impl=self.tree_impl)
 
     # what the startup checks shared with the V1 runner read
     def group_block_table(self, gid: int) -> torch.Tensor:
@@ -268,12 +280,20 @@ class TreeRunnerV2Mixin:
     def target_kv_groups(self, slot_mappings_by_layer: dict) -> list[tuple[torch.Tensor, list]]:
         """[(slot mapping [num_tokens], K and V views of every target layer that uses it)]:
         the caches whose accepted rows move (the head's rows are gathered before it runs)."""
+        return [(slot_mappings_by_layer[first], caches) for first, caches in self._target_kv_caches()]
+
+    def _target_kv_caches(self) -> list[tuple[str, list]]:
+        """Per KV cache group with target layers: (its first target layer, the K and V
+        views of its target layers in the group's order)."""
         ctx = self.compilation_config.static_forward_context
-        by_slots: dict[int, tuple[torch.Tensor, list]] = {}
-        for name, slots in slot_mappings_by_layer.items():
-            if name in self.speculator.draft_attn_layer_names:
-                continue
-            layer = ctx[name]
-            kv = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-            by_slots.setdefault(slots.data_ptr(), (slots, []))[1].extend(layer.impl.kv_views(layer, kv))
-        return list(by_slots.values())
+        found = []
+        for group in self.kv_cache_config.kv_cache_groups:
+            names = [n for n in group.layer_names if n not in self.speculator.draft_attn_layer_names]
+            caches = []
+            for name in names:
+                layer = ctx[name]
+                kv = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+                caches.extend(layer.impl.kv_views(layer, kv))
+            if names:
+                found.append((names[0], caches))
+        return found

