@@ -338,8 +338,16 @@ def census_runner_steps(runner):
         steps.append(StepCensus(census.reset(), state.get("spec", False), sampled))
         return out
 
+    with steps_counted(runner, execute_model, sample_tokens):
+        yield steps
+
+
+@contextlib.contextmanager
+def steps_counted(runner, execute_model, sample_tokens):
+    """The runner's step methods replaced by counting wrappers while inside (instance
+    attributes over the class's: deleting them restores vLLM's)."""
     runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
     try:
-        yield steps
+        yield
     finally:
         del runner.execute_model, runner.sample_tokens

@@ -50,7 +50,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import host_reads
-from .host_reads import _OUR_PACKAGES, _TORCH_DIR, CensusCounts, HostReadCensus, _OpCounter
+from .host_reads import _OUR_PACKAGES, _TORCH_DIR, CensusCounts, HostReadCensus, _OpCounter, steps_counted
 
 host_reads._CENSUS_FILES.add(os.path.abspath(__file__))
 _SKIP_FILES = host_reads._CENSUS_FILES
@@ -331,8 +331,5 @@ def census_v2_runner_steps(runner):
             out.get_output = counted_get_output
         return out
 
-    runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
-    try:
+    with steps_counted(runner, execute_model, sample_tokens):
         yield steps
-    finally:
-        del runner.execute_model, runner.sample_tokens
