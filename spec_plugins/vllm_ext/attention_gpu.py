@@ -10,7 +10,12 @@ per-request mask.
 
 from __future__ import annotations
 
-from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadataBuilder,
+)
 
 from .attention import TreeRowsMixin, flash_kv_views, forget_resolved_backends
 
@@ -22,10 +27,33 @@ class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
         return flash_kv_views(kv_cache)
 
 
+class TreeFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
+    """FlashAttention's metadata, with the tree backend's real CUDA-graph support.
+
+    The tree rows are computed inside ``forward`` from the trees the runner
+    publishes for the step (``attention.publish_verify_trees``): a captured
+    graph would replay FlashAttention's causal rows without them. NEVER makes
+    vLLM's own resolution (``CompilationConfig.resolve_cudagraph_mode_and_sizes``,
+    both runners) narrow its default FULL_AND_PIECEWISE to PIECEWISE, where
+    attention runs eager between the graph pieces, and refuse FULL by name.
+    Can go to UNIFORM_BATCH when the tree metadata lives in persistent buffers
+    that a captured verify forward reads (issue 49, item 3).
+    """
+
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+
 class TreeFlashAttentionBackend(FlashAttentionBackend):
+    # get_name() stays FlashAttention's "FLASH_ATTN": vLLM maps layers to
+    # AttentionBackendEnum by it (Attention.backend) for FlashAttention's own
+    # cache layout and kernels, which the tree backend shares.
     @staticmethod
     def get_impl_cls():
         return TreeFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return TreeFlashAttentionMetadataBuilder
 
 
 TREE_BACKEND_PATH = f"{__name__}.TreeFlashAttentionBackend"

@@ -198,7 +198,8 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     Merges vLLM 0.33's ``--spec-*`` flags, reads the head's kind when no method
     is given, reconciles num_speculative_tokens with the tree (see
     ``settings_with_spec_tokens``) and then sets it to T - 1 (the draft slots
-    vLLM verifies), sets the tree worker class and async scheduling off;
+    vLLM verifies), sets the tree worker class (and async scheduling off when
+    vLLM will build its V1 runner: ``expects_v2_runner``);
     refuses what the tree cannot serve. Idempotent. Returns None (and changes
     nothing) when spec_tree is not requested.
     """
@@ -223,12 +224,11 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
             "the proposer per-request token lists the tree proposer does not read); leave it unset")
     spec["num_speculative_tokens"] = settings.num_spec_tokens
     engine_args.speculative_config = spec
-    if getattr(engine_args, "async_scheduling", None):
-        raise TreeConfigError("async_scheduling=True is not supported with spec_tree (vLLM then schedules each "
-                              "step before the last step's drafts reach the host, with placeholder draft tokens; "
-                              "the tree runner plans a step's tree attention from the drafted trees on the host); "
-                              "leave it unset")
-    engine_args.async_scheduling = False
+    if not expects_v2_runner():
+        if getattr(engine_args, "async_scheduling", None):
+            raise TreeConfigError(f"async_scheduling=True is not supported with spec_tree on vLLM's V1 model runner "
+                                  f"({V1_ASYNC_WHY}); leave it unset, or use the V2 runner")
+        engine_args.async_scheduling = False
     if bool(int(os.getenv("VLLM_BATCH_INVARIANT", "0"))):  # parsed as vllm/envs.py does
         raise TreeConfigError("VLLM_BATCH_INVARIANT=1 is not supported with spec_tree: the tree rows are computed by "
                               "spec_tree_kernels' attention, not by vLLM's batch-invariant kernels, so outputs would "
@@ -337,20 +337,28 @@ def check_tensor_parallel_heads(tp_size: int, head_cfg, target_cfg, head_folder)
                               f"vocabulary ({draft_vocab}, {padded} padded): vLLM cannot shard its lm_head")
 
 
+V1_ASYNC_WHY = ("vLLM then schedules each step before the last step's drafts reach the host, with placeholder "
+                "draft tokens; the V1 tree runner plans a step's tree attention from the drafted trees on the host")
+
+
+def expects_v2_runner() -> bool:
+    """The model runner vLLM will build, decided as ``VllmConfig.use_v2_model_runner``
+    decides it before it reads the config's features: VLLM_USE_V2_MODEL_RUNNER
+    when set, else V2 where Triton runs (vLLM 0.33 on CUDA; vLLM-CPU only with
+    Triton's CPU backend). Tree mode follows vLLM's choice: on V2 its step reads
+    no host-side tree state, so async scheduling stays vLLM's to decide; on V1
+    it is turned off. ``validate_vllm_config`` checks the choice vLLM made."""
+    from vllm import envs
+    from vllm.triton_utils import HAS_TRITON
+
+    forced = envs.VLLM_USE_V2_MODEL_RUNNER
+    return bool(HAS_TRITON) if forced is None else bool(forced)
+
+
 def prepare_gpu_engine_args(engine_args) -> None:
     """CUDA only (vLLM 0.33; written against the source, not executed here)."""
     from vllm.config import CUDAGraphMode
 
-    # The tree mixin subclasses vLLM's V1 GPU runner; the V2 runner (default on
-    # CUDA in 0.33) has different seams, and no tree port of it can be tested here
-    # (vLLM-CPU runs V2 only with Triton's CPU backend). A user who asked for V2
-    # hears so now; otherwise V1 is pinned (environment: spawned workers see it).
-    forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
-    if forced in ("1", "true", "yes"):
-        raise TreeConfigError(f"VLLM_USE_V2_MODEL_RUNNER={os.environ['VLLM_USE_V2_MODEL_RUNNER']}: spec-plugins "
-                              "tree mode runs on vLLM's V1 model runner (the tree runner subclasses it); unset the "
-                              "variable or set it to 0")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     engine_args.attention_backend = tree_backend(getattr(engine_args, "attention_backend", None),
                                                  "attention_backend")
     # vLLM builds the head's config apart (LLMBaseProposer._create_draft_vllm_config) with the
@@ -360,19 +368,25 @@ def prepare_gpu_engine_args(engine_args) -> None:
     spec["attention_backend"] = tree_backend(spec.get("attention_backend"), "speculative_config attention_backend")
     engine_args.speculative_config = spec
     # A full CUDA graph would replay attention without the tree rows; piecewise
-    # graphs leave attention (a splitting op) eager.
+    # graphs leave attention (a splitting op) eager. The tree backend declares
+    # it (attention_gpu.TreeFlashAttentionMetadataBuilder: NEVER), so on V2
+    # vLLM's default FULL_AND_PIECEWISE stays set and vLLM's runner narrows it to
+    # PIECEWISE itself; the V1 tree runner keeps the PIECEWISE pin it was
+    # verified with. A full mode asked for by name is refused here, by name.
     compilation = engine_args.compilation_config
     if isinstance(compilation, dict):  # EngineArgs converts dicts in __post_init__; a later assignment may not
         from vllm.config import CompilationConfig
 
         compilation = engine_args.compilation_config = CompilationConfig(**compilation)
     mode = parse_cudagraph_mode(getattr(compilation, "cudagraph_mode", None))
-    if mode is None:  # vLLM's default (full graphs for decode batches) is decided later: pin it
-        mode = CUDAGraphMode.PIECEWISE
-    elif mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+    if mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
         raise TreeConfigError(f"cudagraph_mode={mode.name}: full CUDA graphs would replay attention without the "
-                              "tree rows; use PIECEWISE or NONE with spec_tree")
-    compilation.cudagraph_mode = mode
+                              "tree rows; use FULL_AND_PIECEWISE (vLLM's default: decode runs piecewise in tree "
+                              "mode), PIECEWISE or NONE with spec_tree")
+    if mode is None and not expects_v2_runner():
+        mode = CUDAGraphMode.PIECEWISE
+    if mode is not None:
+        compilation.cudagraph_mode = mode
 
 
 def tree_backend(value, option: str) -> str:
@@ -445,8 +459,7 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
         raise TreeConfigError("decode/prefill context parallelism (decode_context_parallel_size="
                               f"{parallel.decode_context_parallel_size}) is not supported with spec_tree: the tree "
                               "rows read one rank's KV shard")
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        check_v2_runner_options(vllm_config, settings)
+    check_runner_options(vllm_config, settings)
     from .requests import mark_tree_engine
 
     mark_tree_engine(vllm_config)  # min_p / logit_bias requests are served (logit_bias without speculation)
@@ -488,6 +501,18 @@ V2_REFUSALS = (
     ("kv_transfer_config", lambda c: getattr(c, "kv_transfer_config", None) is not None,
      "disaggregated prefill with trees is untested"),
 )
+
+
+def check_runner_options(vllm_config, settings: TreeSettings) -> None:
+    """The runner vLLM chose (``VllmConfig.use_v2_model_runner``): V2's options,
+    or V1 without async scheduling (vLLM may pick V1 for a feature V2 lacks after
+    ``prepare_engine_args`` expected V2 and left async scheduling to vLLM)."""
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        check_v2_runner_options(vllm_config, settings)
+    elif vllm_config.scheduler_config.async_scheduling:
+        raise TreeConfigError(f"async_scheduling=True with vLLM's V1 model runner is not supported with spec_tree "
+                              f"({V1_ASYNC_WHY}); set async_scheduling=False or VLLM_USE_V2_MODEL_RUNNER=0 "
+                              "(spec-plugins then turns it off)")
 
 
 def check_v2_runner_options(vllm_config, settings: TreeSettings) -> None:

@@ -100,21 +100,32 @@ SEAMS: tuple[Seam, ...] = (
          "backend=spec_cfg.attention_backend", "the head's config takes speculative_config.attention_backend, not "
          "the target's: why prepare_gpu_engine_args sets it", platform="cuda"),
     Seam(ARGS, "compilation_config", "field", why="cudagraph_mode pinned on CUDA", platform="cuda", stage=REG),
-    Seam("vllm.config:CompilationConfig", "cudagraph_mode", "field", why="PIECEWISE: attention stays eager",
-         platform="cuda", stage=REG),
+    Seam("vllm.config:CompilationConfig", "cudagraph_mode", "field", why="PIECEWISE pinned on V1, vLLM's default "
+         "kept on V2 (narrowed by vLLM for the tree backend)", platform="cuda", stage=REG),
     Seam("vllm.config:CUDAGraphMode", "PIECEWISE", "member", why="the CUDA graph mode tree mode pins",
          platform="cuda", stage=REG),
     Seam("vllm.config:CUDAGraphMode", "NONE", "member", why="the other mode tree mode accepts", platform="cuda",
          stage=REG),
-    Seam("vllm.envs", "VLLM_USE_V2_MODEL_RUNNER", "env", why="set to 0: the tree runner subclasses the V1 runner",
+    Seam("vllm.envs", "VLLM_USE_V2_MODEL_RUNNER", "env", why="which runner vLLM will build (config.expects_v2_runner): "
+         "async scheduling stays on with V2, off with V1", stage=REG),
+    Seam("vllm.triton_utils", "HAS_TRITON", "global", why="vLLM builds the V2 runner only where Triton runs "
+         "(config.expects_v2_runner)", stage=REG),
+    Seam("vllm.config:CUDAGraphMode", "FULL", "member", why="refused by name in tree mode", platform="cuda",
+         stage=REG),
+    Seam("vllm.config:CUDAGraphMode", "FULL_DECODE_ONLY", "member", why="refused by name in tree mode",
          platform="cuda", stage=REG),
+    Seam("vllm.config:CompilationConfig", "resolve_cudagraph_mode_and_sizes", "method",
+         "min_cg_support, min_cg_attn_backend, uniform_decode_query_len, use_v2_model_runner, ...",
+         "narrows FULL_AND_PIECEWISE to PIECEWISE for the tree backend's declared NEVER (both runners call it)",
+         platform="cuda"),
     Seam("vllm.platforms.interface:Platform", "is_cpu", "method", "", "picks the CPU or GPU tree worker", stage=REG),
     Seam("vllm.v1.sample.rejection_sampler", "MAX_SPEC_LEN", "const", "128", "config.MAX_SPEC_LEN mirrors it"),
     # --- the built config (config.validate_vllm_config, proposer.for_vllm) -------------------------------------
     Seam("vllm.config:VllmConfig", "additional_config", "field", why="where spec_tree settings live", stage=REG),
     Seam("vllm.config:SpeculativeConfig", "num_speculative_tokens", "field", why="must stay T - 1", stage=REG),
-    Seam("vllm.config:VllmConfig", "use_v2_model_runner", "attr", why="budget='auto' refused on the V2 runner",
-         stage=REG),
+    Seam("vllm.config:VllmConfig", "use_v2_model_runner", "attr", why="vLLM's runner choice: V2 options checked, "
+         "async scheduling refused with V1", stage=REG),
+    Seam("vllm.config:SchedulerConfig", "async_scheduling", "field", why="refused with the V1 tree runner", stage=REG),
     *(Seam(owner, name, "field", why="refused on the V2 tree runner (config.V2_REFUSALS)", stage=REG)
       for owner, name in (("vllm.config:SpeculativeConfig", "enable_adaptive_verification"),
                           ("vllm.config:ParallelConfig", "enable_batch_sharded_sampling"),
@@ -160,58 +171,50 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.v1.worker.gpu_worker:Worker", "load_model", "method", "load_dummy_weights",
          "tree kernels built first", platform="cuda"),
     Seam("vllm.v1.worker.gpu_worker:Worker", "use_v2_model_runner", "attr",
-         why="which tree runner the CPU worker builds (V1 or V2); the V2 runner is refused on CUDA"),
+         why="which tree runner the workers build (V1 or V2)"),
     Seam("vllm.v1.worker.gpu_worker:Worker", "model_runner", "attr", why="spec_tree_stats RPC reads its counters"),
     Seam("vllm.v1.worker.cpu_worker:CPUWorker", "init_device", "method", "", "runner global swapped around it",
          platform="cpu"),
     Seam("vllm.v1.worker.cpu_worker", "CPUModelRunner", "global", why="CPUWorker.init_device builds the runner "
          "from this module global: swapped for TreeCPUModelRunner", platform="cpu"),
-    # --- Model Runner V2 (runner_v2.py, verify_v2.py, speculator_v2.py; CPU only until it runs on a GPU) -------
+    # --- Model Runner V2 (runner_v2.py, verify_v2.py, speculator_v2.py: vLLM-CPU's V2 and CUDA's) ---------
     Seam("vllm.v1.worker.cpu.model_runner", "CPUModelRunner", "global", why="CPUWorker.init_device imports the V2 "
          "runner from this module: swapped for TreeCPUModelRunnerV2", platform="cpu"),
-    Seam(V2, "__init__", "method", "vllm_config, device", "then the tree speculator replaces V2's", platform="cpu"),
-    Seam(V2, "load_model", "method", "load_dummy_weights, ...", "then the tree verifier wraps the rejection sampler",
-         platform="cpu"),
-    Seam(V2, "initialize_kv_cache", "method", "kv_cache_config, is_profiling, ...", "then the tree startup checks",
-         platform="cpu"),
-    Seam(V2, "add_requests", "method", "scheduler_output", "which requests may draw trees", platform="cpu"),
-    Seam(V2, "prepare_attn", "method", "input_batch", "after V2's (slots from linear positions): the step's trees",
-         platform="cpu"),
-    Seam(V2, "execute_model", "method", "scheduler_output, ...", "the last step's trees withdrawn", platform="cpu"),
-    *(Seam(V2, a, "attr", why="read or replaced by the V2 tree runner", platform="cpu") for a in (
+    Seam(V2, "__init__", "method", "vllm_config, device", "then the tree speculator replaces V2's"),
+    Seam(V2, "load_model", "method", "load_dummy_weights, ...", "then the tree verifier wraps the rejection sampler"),
+    Seam(V2, "initialize_kv_cache", "method", "kv_cache_config, is_profiling, ...", "then the tree startup checks"),
+    Seam(V2, "add_requests", "method", "scheduler_output", "which requests may draw trees"),
+    Seam(V2, "prepare_attn", "method", "input_batch", "after V2's (slots from linear positions): the step's trees"),
+    Seam(V2, "execute_model", "method", "scheduler_output, ...", "the last step's trees withdrawn"),
+    *(Seam(V2, a, "attr", why="read or replaced by the V2 tree runner") for a in (
         "speculator", "rejection_sampler", "req_states", "block_tables", "max_num_reqs", "kv_cache_config",
         "compilation_config", "vllm_config", "device", "cache_config")),
-    *(Seam(V2_BATCH, f, "field", why="the step's rows, drafts and logits rows", platform="cpu") for f in (
+    *(Seam(V2_BATCH, f, "field", why="the step's rows, drafts and logits rows") for f in (
         "num_reqs", "num_tokens", "num_draft_tokens", "num_draft_tokens_per_req", "query_start_loc_np",
         "cu_num_logits_np", "idx_mapping", "idx_mapping_np", "positions", "input_ids", "seq_lens_cpu_upper_bound")),
-    Seam("vllm.v1.worker.gpu.states:RequestState", "req_id_to_index", "attr", why="request state of a new request",
-         platform="cpu"),
+    Seam("vllm.v1.worker.gpu.states:RequestState", "req_id_to_index", "attr", why="request state of a new request"),
     Seam("vllm.v1.worker.gpu.block_table:BlockTables", "input_block_tables", "attr",
-         why="the head's block rows of the step (gathered by V2's prepare_attn)", platform="cpu"),
-    Seam("vllm.v1.core.sched.output:NewRequestData", "sampling_params", "field", why="greedy requests draw trees",
-         platform="cpu"),
+         why="the head's block rows of the step (gathered by V2's prepare_attn)"),
+    Seam("vllm.v1.core.sched.output:NewRequestData", "sampling_params", "field", why="greedy requests draw trees"),
     Seam("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler", "__call__", "method",
-         "logits, input_batch, draft_logits, invalid_drafts", "called with every draft invalid, then the tree walk",
-         platform="cpu"),
-    *(Seam("vllm.v1.worker.gpu.sample.output:SamplerOutput", f, "field", why="tree requests' rows rewritten",
-           platform="cpu") for f in ("sampled_token_ids", "num_sampled", "num_rejected")),
+         "logits, input_batch, draft_logits, invalid_drafts", "called with every draft invalid, then the tree walk"),
+    *(Seam("vllm.v1.worker.gpu.sample.output:SamplerOutput", f, "field", why="tree requests' rows rewritten")
+      for f in ("sampled_token_ids", "num_sampled", "num_rejected")),
     Seam(V2_EAGLE, "propose", "method", "input_batch, attn_metadata, slot_mappings, last_hidden_states, "
          "aux_hidden_states, num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, ...",
-         "replaced: tree drafting", platform="cpu"),
+         "replaced: tree drafting"),
     Seam(V2_EAGLE, "_copy_request_inputs", "method", "num_reqs, idx_mapping, temperature, seeds, ...",
-         "called as V2's propose calls it", platform="cpu"),
+         "called as V2's propose calls it"),
     Seam(V2_EAGLE, "_run_model", "method", "num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, "
-         "cudagraph_runtime_mode, ...", "the head's forward over the step's rows", platform="cpu"),
-    *(Seam(V2_EAGLE, a, "attr", why="the head and its buffers", platform="cpu") for a in (
+         "cudagraph_runtime_mode, ...", "the head's forward over the step's rows"),
+    *(Seam(V2_EAGLE, a, "attr", why="the head and its buffers") for a in (
         "model", "method", "draft_attn_layer_names", "draft_tokens", "max_num_reqs", "max_model_len",
         "last_token_indices",
         "current_draft_step", "input_buffers", "hidden_states", "block_tables", "kv_cache_config")),
     Seam("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", "prepare_prefill_inputs", "method",
          "last_token_indices, current_draft_step, input_buffers, input_batch, num_sampled, num_rejected, "
-         "last_sampled, next_prefill_tokens, max_num_reqs", "the head's inputs, as V2's propose makes them",
-         platform="cpu"),
-    Seam("vllm.v1.worker.gpu.buffer_utils", "async_tensor_h2d", "global", why="the plan's small uploads, staged",
-         platform="cpu"),
+         "last_sampled, next_prefill_tokens, max_num_reqs", "the head's inputs, as V2's propose makes them"),
+    Seam("vllm.v1.worker.gpu.buffer_utils", "async_tensor_h2d", "global", why="the plan's small uploads, staged"),
     # --- the runner: overridden methods (runner.py) -------------------------------------------------------------
     Seam(GMR, "__init__", "method", "vllm_config, device", "TreeRunnerMixin.__init__ passes them through"),
     Seam(GMR, "load_model", "method", "load_dummy_weights, model", "then the tree proposer loads the head"),
@@ -318,6 +321,14 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{FLASH}:FlashAttentionMetadata", "block_table", "field", why="tree rows read the paged cache",
          platform="cuda"),
     Seam(f"{FLASH}:FlashAttentionBackend", "get_impl_cls", "method", "", "overridden: the tree impl",
+         platform="cuda"),
+    Seam(f"{FLASH}:FlashAttentionBackend", "get_builder_cls", "method", "",
+         "overridden: the tree builder declares its CUDA-graph support", platform="cuda"),
+    Seam(f"{FLASH}:FlashAttentionMetadataBuilder", "get_cudagraph_support", "method", "vllm_config, kv_cache_spec",
+         "answers the class's _cudagraph_support, which the tree builder sets", platform="cuda"),
+    Seam(f"{FLASH}:FlashAttentionMetadataBuilder", "_cudagraph_support", "attr", why="set to NEVER by the tree "
+         "builder", platform="cuda"),
+    Seam("vllm.v1.attention.backend:AttentionCGSupport", "NEVER", "member", why="the tree backend's graph support",
          platform="cuda"),
     Seam(f"{CPU_ATTN}:CPUAttentionBackendImpl", "forward", "method", "layer, query, key, value, kv_cache, "
          "attn_metadata, output, output_scale, output_block_scale", "TreeRowsMixin.forward wraps it", platform="cpu"),

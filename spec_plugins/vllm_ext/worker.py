@@ -15,17 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-V1_RUNNER_ERROR = ("spec-plugins tree mode needs vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): "
-                   "the tree runner subclasses it; vLLM chose the V2 runner")
-
-
 class TreeStatsMixin:
     def spec_tree_stats(self) -> dict:
         """Runner counters and timers (``llm.collective_rpc("spec_tree_stats")``)."""
         return asdict(self.model_runner.tree_stats)
 
-
-def require_v1_runner(worker) -> None:
-    """Refuse vLLM's V2 runner (``Worker.use_v2_model_runner``), whose seams differ."""
-    if worker.use_v2_model_runner:
-        raise RuntimeError(V1_RUNNER_ERROR)

@@ -14,7 +14,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from .faults import with_test_faults
 from .seams import check_seams
-from .worker import TreeStatsMixin, require_v1_runner
+from .worker import TreeStatsMixin
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,11 @@ class TreeGPUWorker(TreeStatsMixin, Worker):
         super().init_device()
 
     def _make_model_runner(self):
-        require_v1_runner(self)
+        # The runner vLLM chose (VllmConfig.use_v2_model_runner): V2 by default in 0.33, V1 while it is served.
+        if self.use_v2_model_runner:
+            from .runner_v2_gpu import TreeGPUModelRunnerV2
+
+            return TreeGPUModelRunnerV2(self.vllm_config, self.device)
         from .runner_gpu import TreeGPUModelRunner
 
         return with_test_faults(TreeGPUModelRunner)(self.vllm_config, self.device)

@@ -10,8 +10,9 @@ asserts that:
 * every GPU-path module of ``spec_plugins.vllm_ext`` (all but ``*_cpu``) imports;
 * the CUDA-side configuration runs on vLLM's real objects: register(), every
   CUDA seam (``seams.py``), the GPU worker class path, CUSTOM backend
-  registration and vLLM's own resolution of it, V1 runner selection, the
-  CUDA graph mode pin, the full engine-argument preparation;
+  registration and vLLM's own resolution of it, the runner choice (V2 by
+  default, V1 when asked for), the CUDA graph modes, the full engine-argument
+  preparation;
 * no CPU-only vLLM module was imported (``vllm.v1.worker.cpu_worker`` imports
   ``vllm.v1.worker.cpu.shm``, which replaces torch.cuda.Event/Stream/
   current_stream, torch.accelerator memory queries, Tensor.pin_memory and
@@ -38,10 +39,11 @@ VLLM_SOURCE_VERSION = "0.33.0"
 # vLLM's own GPU-path wrapper (records the stream per thread, then calls torch's).
 ALLOWED_REPLACEMENTS = {"torch.cuda.set_stream": "vllm.utils.torch_utils"}
 GPU_PATH_MODULES = ("spec_plugins.vllm_ext", "spec_plugins.vllm_ext.worker_gpu", "spec_plugins.vllm_ext.runner",
+                    "spec_plugins.vllm_ext.runner_v2_gpu", "spec_plugins.vllm_ext.runner_v2",
                     "spec_plugins.vllm_ext.attention", "spec_plugins.vllm_ext.attention_gpu",
                     "spec_plugins.vllm_ext.proposer", "spec_plugins.vllm_ext.config",
                     "spec_plugins.vllm_ext.engine_patches", "spec_plugins.vllm_ext.seams")
-CUDA_STEPS = ("register", "seams", "worker_class", "custom_backend", "v1_runner", "cudagraph_mode", "engine_args",
+CUDA_STEPS = ("register", "seams", "worker_class", "custom_backend", "runners", "cudagraph_mode", "engine_args",
               "command_lines")
 TREE_BACKEND = "TreeFlashAttentionBackend"
 
@@ -130,9 +132,21 @@ def test_target_and_head_layers_get_the_tree_backend_on_cuda(reports):
     target and head must resolve to the tree backend."""
     trees = [r for r in reports["cuda"]["command_lines"] if r.get("tree")]
     assert len(trees) >= 10
-    wrong = [(r["command"], r["head"], r["target_backend"], r["draft_backend"]) for r in trees
-             if (r["target_backend"], r["draft_backend"]) != (TREE_BACKEND, TREE_BACKEND)]
+    wrong = [(r["command"], r["head"], r["target_backend"], r["draft_backend"], r["draft_backend_v2"])
+             for r in trees if {r["target_backend"], r["draft_backend"], r["draft_backend_v2"]} != {TREE_BACKEND}]
     assert wrong == []
+
+
+def test_tree_rows_run_on_vllms_default_engine_on_cuda(reports):
+    """Issue 49: every tree command line builds vLLM 0.33's default engine: Model
+    Runner V2, async scheduling on, FULL_AND_PIECEWISE configured; what V2's
+    runner then resolves for the tree backend's declared graph support (NEVER:
+    the tree rows run in attention's eager forward) is PIECEWISE, by vLLM's code."""
+    trees = [r for r in reports["cuda"]["command_lines"] if r.get("tree")]
+    assert len(trees) >= 10
+    engine = {(r["v2_runner"], r["async_scheduling"], r["cudagraph_mode"], r["runtime_cudagraph_mode"])
+              for r in trees}
+    assert engine == {(True, True, "FULL_AND_PIECEWISE", "PIECEWISE")}, engine
 
 
 def test_cpu_modules_and_cpu_seams_against_033(reports):

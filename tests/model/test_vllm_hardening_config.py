@@ -241,24 +241,30 @@ def test_startup_check_hands_windows_and_sinks_to_the_tree_rows():
 # --------------------------------------------------- finding 8: string cudagraph_mode
 
 
-@pytest.mark.parametrize("given,pinned", [(None, "PIECEWISE"), ("piecewise", "PIECEWISE"), ("NONE", "NONE")])
-def test_cudagraph_mode_strings_are_parsed(monkeypatch, given, pinned):
+@pytest.mark.parametrize("runner,given,pinned", [
+    ("0", None, "PIECEWISE"), ("0", "piecewise", "PIECEWISE"), ("0", "NONE", "NONE"),
+    ("0", "full_and_piecewise", "FULL_AND_PIECEWISE"), ("1", "full_and_piecewise", "FULL_AND_PIECEWISE"),
+    ("1", None, None), ("1", "Piecewise", "PIECEWISE")])
+def test_cudagraph_mode_strings_are_parsed(monkeypatch, runner, given, pinned):
+    """V1 pins PIECEWISE when unset; V2 keeps vLLM's default (the tree backend's
+    declared graph support makes vLLM narrow it: tests/model/test_vllm_cuda_guard.py)."""
     from vllm.config import CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # prepare_gpu_engine_args pins it; restored after
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
     ea = EngineArgs(model="unused")
     ea.compilation_config.cudagraph_mode = given  # an assignment skips vLLM's own string parsing
     tc.prepare_gpu_engine_args(ea)
-    assert ea.compilation_config.cudagraph_mode is CUDAGraphMode[pinned]
+    assert ea.compilation_config.cudagraph_mode is (None if pinned is None else CUDAGraphMode[pinned])
 
 
-@pytest.mark.parametrize("given,needle", [("FULL", "cudagraph_mode=FULL:"), ("full_and_piecewise", "FULL_AND_PIECEWISE"),
+@pytest.mark.parametrize("runner", ["0", "1"])
+@pytest.mark.parametrize("given,needle", [("FULL", "cudagraph_mode=FULL:"), ("full_decode_only", "FULL_DECODE_ONLY"),
                                           ("sometimes", "not a CUDAGraphMode name")])
-def test_full_or_unknown_cudagraph_mode_strings_are_refused(monkeypatch, given, needle):
+def test_full_or_unknown_cudagraph_mode_strings_are_refused(monkeypatch, runner, given, needle):
     from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
     ea = EngineArgs(model="unused")
     ea.compilation_config.cudagraph_mode = given
     with pytest.raises(tc.TreeConfigError, match=needle):

@@ -233,7 +233,7 @@ def test_vllm_spec_flags_are_merged_before_vllm_merges_them():
 def test_gpu_engine_args_give_the_head_the_tree_backend(monkeypatch):
     """CUDA: vLLM builds the head's config with speculative_config.attention_backend
     (not the target's): it is set to CUSTOM, and another one is refused by name."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # prepare_gpu_engine_args pins it: restored after
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     ea = _engine_args()
     tc.prepare_gpu_engine_args(ea)
     assert ea.speculative_config["attention_backend"] == "CUSTOM" and ea.attention_backend == "CUSTOM"
@@ -242,12 +242,39 @@ def test_gpu_engine_args_give_the_head_the_tree_backend(monkeypatch):
         tc.prepare_gpu_engine_args(bad)
 
 
-@pytest.mark.parametrize("value", ["1", "true"])
-def test_a_forced_v2_runner_is_refused_by_name(monkeypatch, value):
-    """Issue #37: a user who asks for vLLM's V2 runner hears that tree mode runs on V1 (it was silently overridden)."""
+def test_tree_mode_follows_vllms_v2_runner(monkeypatch):
+    """Issue 49: tree mode runs on the runner vLLM chose. With V2, async scheduling
+    stays vLLM's to decide (the V2 tree step reads no host-side tree state) and
+    the variable is left as the user set it; with V1 async scheduling is refused."""
+    import os
+
+    value = "1"  # vllm/envs.py: maybe_convert_bool (an int)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
-    with pytest.raises(tc.TreeConfigError, match=f"VLLM_USE_V2_MODEL_RUNNER={value}: .*V1 model runner"):
-        tc.prepare_gpu_engine_args(_engine_args())
+    assert tc.expects_v2_runner()
+    ea = _engine_args(async_scheduling=True)
+    tc.prepare_engine_args(ea)
+    tc.prepare_gpu_engine_args(ea)
+    assert ea.async_scheduling is True and os.environ["VLLM_USE_V2_MODEL_RUNNER"] == value
+    unset = _engine_args()
+    tc.prepare_engine_args(unset)
+    assert unset.async_scheduling is None  # vLLM decides (0.33 on CUDA: on)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert not tc.expects_v2_runner()
+    with pytest.raises(tc.TreeConfigError, match="async_scheduling=True .*V1 model runner"):
+        tc.prepare_engine_args(_engine_args(async_scheduling=True))
+
+
+def test_vllms_own_v1_choice_with_async_scheduling_is_refused():
+    """vLLM may still build V1 for a feature V2 lacks after prepare_engine_args
+    expected V2 (async scheduling then already on): refused by name at startup."""
+    from types import SimpleNamespace
+
+    settings = tc.parse_tree_settings({})
+    v1_async = SimpleNamespace(use_v2_model_runner=False, scheduler_config=SimpleNamespace(async_scheduling=True))
+    with pytest.raises(tc.TreeConfigError, match="async_scheduling=True with vLLM's V1 model runner"):
+        tc.check_runner_options(v1_async, settings)
+    tc.check_runner_options(SimpleNamespace(use_v2_model_runner=False,
+                                            scheduler_config=SimpleNamespace(async_scheduling=False)), settings)
 
 
 def test_register_is_idempotent():

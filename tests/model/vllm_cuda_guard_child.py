@@ -163,30 +163,51 @@ def step_custom_backend():
     assert impl is attention_gpu.TreeFlashAttentionImpl, impl
 
 
-def step_v1_runner():
+def step_runners():
+    """Tree mode follows vLLM's runner choice: V2 by default (0.33 on CUDA), V1
+    when VLLM_USE_V2_MODEL_RUNNER=0; the worker builds the matching tree runner."""
     from vllm import envs
     from vllm.config import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
-    from spec_plugins.vllm_ext import config, worker_gpu
+    from spec_plugins.vllm_ext import config, runner_gpu, runner_v2, runner_v2_gpu, worker_gpu
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     config.prepare_gpu_engine_args(EngineArgs(model=guard_target()))
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" and envs.VLLM_USE_V2_MODEL_RUNNER is False
-    # vLLM's own decision (VllmConfig.use_v2_model_runner), on a config without
-    # the features that force V2 (HiSparse, watermarking)
-    no_v2_features = types.SimpleNamespace(attention_config=types.SimpleNamespace(hisparse_config=None))
-    assert VllmConfig.use_v2_model_runner.fget(no_v2_features) is False
-    assert issubclass(tree_gpu_runner_class(), GPUModelRunner)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ and envs.VLLM_USE_V2_MODEL_RUNNER is None
+    assert config.expects_v2_runner()
+    # vLLM's own decision (VllmConfig.use_v2_model_runner) on a config without features V2 lacks
+    plain = types.SimpleNamespace(attention_config=types.SimpleNamespace(hisparse_config=None),
+                                  _get_v2_model_runner_unsupported_features=lambda: [])
+    assert VllmConfig.use_v2_model_runner.fget(plain) is True
+    v2 = runner_v2_gpu.TreeGPUModelRunnerV2
+    assert issubclass(v2, V2Runner) and v2.__mro__[1] is runner_v2.TreeRunnerV2Mixin, v2.__mro__
+    v1 = tree_gpu_runner_class()
+    assert issubclass(v1, V1Runner)
+    built = {}
+    for module, name in ((runner_v2_gpu, "TreeGPUModelRunnerV2"), (runner_gpu, "TreeGPUModelRunner")):
+        setattr(module, name, lambda vllm_config, device, name=name: built.setdefault("runner", name))
     worker = object.__new__(worker_gpu.TreeGPUWorker)
-    worker.use_v2_model_runner = True
+    worker.vllm_config, worker.device = None, "cuda:0"
     try:
-        worker._make_model_runner()
-    except RuntimeError as exc:
-        assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(exc), exc
-    else:
-        raise AssertionError("the V2 runner was not refused")
+        for use_v2, want in ((True, "TreeGPUModelRunnerV2"), (False, "TreeGPUModelRunner")):
+            built.clear()
+            worker.use_v2_model_runner = use_v2
+            worker._make_model_runner()
+            assert built.get("runner") == want, (use_v2, built)
+    finally:
+        runner_v2_gpu.TreeGPUModelRunnerV2, runner_gpu.TreeGPUModelRunner = v2, v1
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    try:
+        assert not config.expects_v2_runner()
+        args = EngineArgs(model=guard_target(), speculative_config={"method": "eagle3", "model": "x"},
+                          additional_config={"spec_tree": {}})
+        config.prepare_gpu_engine_args(args)
+        assert args.compilation_config.cudagraph_mode.name == "PIECEWISE", args.compilation_config.cudagraph_mode
+    finally:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
 
 
 def tree_gpu_runner_class():
@@ -204,22 +225,46 @@ def tree_gpu_runner_class():
 
 
 def step_cudagraph_mode():
+    """V2: vLLM's default mode stays (decided later, FULL_AND_PIECEWISE), and the
+    tree backend's declared support (NEVER) makes vLLM's own resolution narrow it
+    to PIECEWISE; full modes asked for by name are refused by the plugin."""
     from vllm.config import CompilationConfig, CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
-    from spec_plugins.vllm_ext import config
+    from spec_plugins.vllm_ext import attention_gpu, config
 
     args = EngineArgs(model=guard_target())
     config.prepare_gpu_engine_args(args)
-    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE, args.compilation_config.cudagraph_mode
+    assert args.compilation_config.cudagraph_mode is None, args.compilation_config.cudagraph_mode
     assert args.attention_backend == "CUSTOM", args.attention_backend
-    full = EngineArgs(model=guard_target(), compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL))
-    try:
-        config.prepare_gpu_engine_args(full)
-    except config.TreeConfigError as exc:
-        assert "cudagraph_mode" in str(exc), exc
-    else:
-        raise AssertionError("full CUDA graphs were not refused")
+    for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
+        full = EngineArgs(model=guard_target(), compilation_config=CompilationConfig(cudagraph_mode=mode))
+        try:
+            config.prepare_gpu_engine_args(full)
+        except config.TreeConfigError as exc:
+            assert f"cudagraph_mode={mode.name}" in str(exc), exc
+        else:
+            raise AssertionError(f"{mode.name} was not refused")
+    kept = EngineArgs(model=guard_target(),
+                      compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE))
+    config.prepare_gpu_engine_args(kept)
+    assert kept.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    support = attention_gpu.TreeFlashAttentionBackend.get_builder_cls().get_cudagraph_support(None, None)
+    assert support.name == "NEVER", support
+
+
+def resolved_cudagraph_mode(vllm_config, support) -> str:
+    """What V2's runner resolves (``GPUModelRunner.initialize_kv_cache`` ->
+    ``CompilationConfig.resolve_cudagraph_mode_and_sizes``) for the tree
+    backend's declared support, on a copy of the engine's compilation config."""
+    import copy
+
+    compilation = copy.deepcopy(vllm_config.compilation_config)
+    spec = vllm_config.speculative_config
+    return compilation.resolve_cudagraph_mode_and_sizes(
+        support, "TreeFlashAttentionBackend", 1 + spec.num_speculative_tokens, use_v2_model_runner=True,
+        kv_cache_config=None, max_num_reqs=vllm_config.scheduler_config.max_num_seqs, is_profiling=False,
+        piecewise_capture_available=True).name
 
 
 def step_engine_args():
@@ -251,11 +296,21 @@ def step_command_lines(report: dict):
     def backends(vllm_config) -> dict:
         attention_gpu.install_gpu_backend()  # as TreeGPUWorker.init_device does before the model is built
         drafter = types.SimpleNamespace(speculative_config=vllm_config.speculative_config, vllm_config=vllm_config)
-        draft_config = EagleProposer._create_draft_vllm_config(drafter)
+        draft_config = EagleProposer._create_draft_vllm_config(drafter)  # V1's head config
+        # V2's head config (spec_decode/eagle/utils.py load_eagle_model)
+        draft_config_v2 = vllm_config.speculative_config.apply_draft_overrides(vllm_config)
         resolved = {}
-        for who, config in (("target_backend", vllm_config), ("draft_backend", draft_config)):
+        for who, config in (("target_backend", vllm_config), ("draft_backend", draft_config),
+                            ("draft_backend_v2", draft_config_v2)):
             with set_current_vllm_config(config):
                 resolved[who] = get_attn_backend(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto").__name__
+        builder = attention_gpu.TreeFlashAttentionBackend.get_builder_cls()
+        resolved.update(
+            v2_runner=bool(vllm_config.use_v2_model_runner),
+            async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+            cudagraph_mode=vllm_config.compilation_config.cudagraph_mode.name,
+            runtime_cudagraph_mode=resolved_cudagraph_mode(
+                vllm_config, builder.get_cudagraph_support(vllm_config, None)))
         return resolved
 
     report["command_lines"] = command_lines.run_rows(guard_target(), inspect=backends)
@@ -279,7 +334,7 @@ def main_cuda(report: dict) -> None:
         if new:
             report["cpu_only_first_loaded_by"][module] = new
     for name, fn in (("register", step_register), ("seams", step_seams), ("worker_class", step_worker_class),
-                     ("custom_backend", step_custom_backend), ("v1_runner", step_v1_runner),
+                     ("custom_backend", step_custom_backend), ("runners", step_runners),
                      ("cudagraph_mode", step_cudagraph_mode), ("engine_args", step_engine_args),
                      ("command_lines", lambda: step_command_lines(report))):
         run_step(report, name, fn)
