@@ -186,3 +186,40 @@ def test_the_sampled_check_rejects_a_near_greedy_sample(sampled_runs):
 def test_sampled_trees_accept_drafts(sampled_runs):
     stats, spec = sampled_runs["tree"]["stats"], sampled_runs["tree"]["spec"]
     assert stats["trees_verified"] > 0 and spec["accepted"] > 0, (stats, spec)
+
+
+# ------------------------------------------------------------------ async scheduling
+# vLLM 0.33 runs V2 with async scheduling by default: the scheduler builds step n+1 before step n's
+# sampled tokens and drafts reach the host (two batches in flight, placeholder drafts). vLLM-CPU turns
+# it off for every engine; v2_child's force_async keeps the engine's async_scheduling=True past that
+# platform hook (vLLM's own async checks have run by then), so vLLM builds its AsyncScheduler and V2
+# overlaps steps as on a GPU. The V2 tree step must need no host copy of the trees for that; any step
+# input read from host-side tree state would lag a step behind and break identity.
+ASYNC_PARAMS = [dict(temperature=0, max_tokens=12), dict(temperature=0, max_tokens=12, stop_token_ids=[NEWLINE]),
+                dict(temperature=0, max_tokens=3), dict(temperature=0, max_tokens=9)]
+
+
+@pytest.fixture(scope="module")
+def async_runs() -> dict:
+    batch = {"prompts": PROMPTS[:4], "params": ASYNC_PARAMS}
+    alone = {"prompts": [PROMPTS[6]], "params": [dict(temperature=0, max_tokens=10)]}
+    engines = [
+        {"name": "none", "kwargs": vllm_runs.engine_kwargs(str(ensure_converted()), **ENGINE_SIZE,
+                                                             async_scheduling=True)},
+        {"name": "tree", "kwargs": tree_kwargs((5, 4, 8), async_scheduling=True)},
+    ]
+    return run_child({"engines": engines, "jobs": [batch, alone], "force_async": True})
+
+
+def test_engines_run_with_async_scheduling(async_runs):
+    for run in async_runs.values():
+        assert run["async_scheduling"] and run["scheduler"] == "AsyncScheduler", run
+    assert async_runs["tree"]["runner"] == "spec_plugins.vllm_ext.runner_v2_cpu.TreeCPUModelRunnerV2"
+
+
+def test_trees_under_async_scheduling_identical_to_no_speculation(async_runs):
+    for job, (reference, got) in enumerate(zip(async_runs["none"]["jobs"], async_runs["tree"]["jobs"])):
+        for i, (a, b) in enumerate(zip(reference, got)):
+            assert (a["tokens"], a["finish"]) == (b["tokens"], b["finish"]), f"job {job}, request {i}"
+    stats, spec = async_runs["tree"]["stats"], async_runs["tree"]["spec"]
+    assert stats["trees_verified"] > 0 and spec["accepted"] >= 0.3 * stats["trees_verified"], (stats, spec)

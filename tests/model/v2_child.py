@@ -14,6 +14,13 @@ SPEC_JSON: {"engines": [{"name", "kwargs" (LLM keyword overrides),
 every job's outputs, finish reasons, the runner's counters, which model runner
 class vLLM built.
 
+With ``"force_async": true`` in SPEC_JSON, an engine given ``async_scheduling=True``
+keeps it: vLLM-CPU's platform turns async scheduling off for every engine
+(``CpuPlatform.check_and_update_config``: "async scheduling is not required on
+CPU"), after VllmConfig's own async checks ran; ``keep_async_scheduling``
+restores the user's value right after that hook, so vLLM picks its
+AsyncScheduler and V2 runs two batches in flight as it does on a GPU.
+
 With ``"census": true`` in SPEC_JSON (tests/model/test_vllm_v2_census.py), every
 engine step is counted (``spec_plugins.host_reads_v2``: device->host reads,
 staged and pageable uploads, aten ops and Triton launches, ours and the
@@ -63,6 +70,21 @@ def install_triton_cpu_stand_in() -> None:
             return False
 
     backends.setdefault("cpu", Backend(compiler=InterpreterCompiler, driver=InterpreterDriver))
+
+
+def keep_async_scheduling() -> None:
+    """Undo vLLM-CPU's platform hook for async scheduling only (see the docstring)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    hook = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        wanted = vllm_config.scheduler_config.async_scheduling
+        hook(cls, vllm_config)
+        if wanted:
+            vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def inject(fault: str | None) -> None:
@@ -120,7 +142,9 @@ def run_engine(engine: dict, jobs: list[dict], census: bool = False) -> dict:
         counted = census_v2_runner_steps(llm.llm_engine.model_executor.driver_worker.worker.model_runner)
     runner = llm.collective_rpc(lambda worker: f"{type(worker.model_runner).__module__}."
                                                f"{type(worker.model_runner).__name__}")[0]
-    result = {"runner": runner, "jobs": []}
+    result = {"runner": runner, "jobs": [],
+              "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+              "scheduler": type(llm.llm_engine.engine_core.engine_core.scheduler).__name__}
     job_of_step = []
     with counted as steps:
         for index, job in enumerate(engine.get("jobs", jobs)):
@@ -149,6 +173,8 @@ def run_engine(engine: dict, jobs: list[dict], census: bool = False) -> dict:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     install_triton_cpu_stand_in()
+    if spec.get("force_async"):
+        keep_async_scheduling()
     if spec.get("census"):
         from spec_plugins.host_reads_v2 import install_v2_census
 
