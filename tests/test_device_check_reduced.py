@@ -50,6 +50,8 @@ def test_reduced_device_check(tmp_path):
     assert {"auto", "single", "split2"} <= set(tune["times_us"]) and "best" in tune, tune
     own = report["graphs"]  # issues #37 / #49: the step's own ops (V2's device step included) without graph breaks
     assert own["failed"] == 0 and own["v2_step_torch"]["ok"] and own["verify_tail_torch"]["ok"], own
+    # issue #49 item 3: a verify layer's tree rows and a draft level's attention, metadata from persistent buffers
+    assert own["verify_attention_torch"]["ok"] and own["draft_level_attention_torch"]["ok"], own
     graphs = report["sglang_graphs"]  # issue #38: TARGET_VERIFY capture / replay stand-in, every mask mode
     assert graphs["failed"] == 0 and graphs["passed"] == 3 and all(r["replays"] == 2 for r in graphs["rows"]), graphs
     if spec_tree:

@@ -14,7 +14,18 @@ with an eager call on the same inputs:
   the target forward, per implementation: the tree build from the drafted
   parents (positions, mask, links; no validation, so no host read), the
   walk, the accepted-path KV move and the gather of each tree's rows into
-  path order (``spec_plugins.tree_commit``).
+  path order (``spec_plugins.tree_commit``);
+* ``verify_attention`` (issue #49, item 3): one layer's tree rows for a
+  uniform decode batch (every request T query rows, as a FULL decode graph
+  replays them), its metadata read from persistent buffers only: block table
+  and sequence lengths as vLLM's FlashAttention metadata holds them, the
+  drafted parents; the mask built and the plan made inside the graph, the
+  prefix bounded by the block table's reach (a shape), padded requests
+  (sequence length 0) harmless;
+* ``draft_level_attention``: one draft level's attention
+  (``BranchAttentionPlan``: committed head KV read in place from the paged
+  cache, the level's branch KV appended to the scratch, ancestor mask), its
+  bound the block table's reach.
 
 A host read inside raises during capture, so a pass means the op is
 capturable. Reduced mode (CPU): the same cases through
@@ -32,6 +43,12 @@ from spec_plugins.tree_drafting import TreeShape, grow_level, select_trees
 from .plumbing import CheckRun
 
 R, K, S, T, H, V = 8, 4, 5, 8, 64, 512
+HQ, HKV, D, BLOCK, BLOCKS = 4, 2, 32, 16, 64  # attention cases: heads, head dim, cache blocks of BLOCK tokens
+
+
+def random_parents(g: torch.Generator, batch: int, nodes: int) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(nodes - 1, generator=g) * torch.arange(1, nodes)).long()])
+                        for _ in range(batch)])
 
 
 def draft_level_inputs(seed: int, device):
@@ -51,8 +68,7 @@ def select_inputs(seed: int, device):
 
 def verify_inputs(seed: int, device):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    parents = torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(T - 1, generator=g) * torch.arange(1, T)).long()])
-                           for _ in range(R)])
+    parents = random_parents(g, R, T)
     build = stk.tree_from_parents(parents, torch.full((R,), 100), "ANCESTOR_BITMASK")
     candidates = torch.randint(0, 4, (R, T), generator=g)
     predict = torch.randint(0, 4, (R, T), generator=g)
@@ -62,8 +78,7 @@ def verify_inputs(seed: int, device):
 def v2_step_inputs(seed: int, device):
     """A step of R trees of T nodes after 5 rows of another request (a prefill chunk)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    parents = torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(T - 1, generator=g) * torch.arange(1, T)).long()])
-                           for _ in range(R)])
+    parents = random_parents(g, R, T)
     context = torch.randint(50, 150, (R,), generator=g)
     q_starts = 5 + T * torch.arange(R)
     tokens = torch.randint(0, 3, (5 + R * T,), generator=g)
@@ -71,6 +86,64 @@ def v2_step_inputs(seed: int, device):
     k, v = torch.randn(2, 64, 16, 2, 8, generator=g)  # [num_blocks, block_size, H, D] each
     slots = torch.randperm(64 * 16, generator=g)[: R * T].view(R, T)
     return [t.to(device) for t in (parents, context, q_starts, tokens, predict, k, v, slots)]
+
+
+def paged_cache(g: torch.Generator, dtype):
+    """K and V views [BLOCKS, BLOCK, HKV, D] and a block table [R, BLOCKS // R] of distinct blocks."""
+    k, v = torch.randn(2, BLOCKS, BLOCK, HKV, D, generator=g).to(dtype)
+    return k, v, torch.randperm(BLOCKS, generator=g).view(R, BLOCKS // R).to(torch.int32)
+
+
+def verify_attention_inputs(dtype):
+    def make(seed: int, device):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        k, v, block_table = paged_cache(g, dtype)
+        seq_lens = torch.randint(T, BLOCK * (BLOCKS // R), (R,), generator=g, dtype=torch.int32)
+        seq_lens[-1] = 0  # a padded request of the graph's batch
+        q = torch.randn(R, T, HQ, D, generator=g).to(dtype)
+        return [t.to(device) for t in (q, k, v, block_table, seq_lens, random_parents(g, R, T))]
+    return make
+
+
+def verify_attention(impl: str):
+    from spec_tree_kernels.attention_plan import TreeAttentionPlan
+
+    def layer(q, k, v, block_table, seq_lens, parents):
+        context = (seq_lens.long() - T).clamp(min=0)
+        mask = stk.tree_from_parents(parents, context, "ANCESTOR_BITMASK", max_depth=T - 1, validate=False).tree_mask
+        plan = TreeAttentionPlan.create(block_table, context, mask, "ANCESTOR_BITMASK", T, BLOCK, None, impl=impl)
+        return plan.run(q, k, v, D ** -0.5)
+
+    return layer
+
+
+def draft_level_inputs_paged(dtype):
+    def make(seed: int, device):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        k, v, block_table = paged_cache(g, dtype)
+        kv_lens = torch.randint(1, BLOCK * (BLOCKS // R), (R,), generator=g)
+        filled = K  # one level already in the scratch: this is the second
+        branch = torch.randn(2, R, 2 * K, HKV, D, generator=g).to(dtype)
+        query, key, value = torch.randn(3, R * K, HQ, D, generator=g).to(dtype).unbind(0)
+        ancestors = torch.rand(R, K, filled, generator=g) > 0.5
+        return [t.to(device) for t in (query, key[:, :HKV], value[:, :HKV], k, v, block_table, kv_lens, branch,
+                                       ancestors)]
+    return make
+
+
+def draft_level_attention(impl: str):
+    from spec_tree_kernels.branch_attention import BranchAttentionPlan
+
+    def level(query, key, value, k, v, block_table, kv_lens, branch, ancestors):
+        plan = BranchAttentionPlan.create(block_table, kv_lens, block_table.shape[1] * BLOCK, BLOCK, impl=impl)
+        filled = ancestors.shape[2]
+        branch[0, :, filled:filled + K] = key.view(R, K, HKV, D)
+        branch[1, :, filled:filled + K] = value.view(R, K, HKV, D)
+        out = torch.empty(R, K, HQ, D, dtype=query.dtype, device=query.device)
+        return plan.run(query.view(R, K, HQ, D), k, v, branch[0], branch[1], filled + K, ancestors, D ** -0.5,
+                        out)
+
+    return level
 
 
 def v2_step(impl: str):
@@ -103,6 +176,10 @@ def cases(run: CheckRun):
             return res, res.accept_index.long().gather(1, res.accept_length.long()[:, None])[:, 0]
         yield f"verify_tail_{impl}", verify_inputs, tail
         yield f"v2_step_{impl}", v2_step_inputs, v2_step(impl)
+    dtype = torch.float32 if run.reduced else torch.bfloat16
+    for impl in ["torch"] if run.reduced else ["triton"]:
+        yield f"verify_attention_{impl}", verify_attention_inputs(dtype), verify_attention(impl)
+        yield f"draft_level_attention_{impl}", draft_level_inputs_paged(dtype), draft_level_attention(impl)
 
 
 def leaves_equal(a, b) -> bool:
