@@ -9,6 +9,17 @@ vLLM's kernel is skipped: each row is computed once. When the batch also holds
 prefill or plain decode rows, vLLM's kernel runs over the batch (those rows
 are exactly vLLM's) and the tree rows are overwritten.
 
+Uniform decode steps on Model Runner V2 (every request of the batch decodes
+one tree of T nodes, T = 1 + num_speculative_tokens: the batches vLLM
+replays as FULL CUDA graphs): the trees' description comes from persistent
+buffers only (``UniformTrees``): the masks, written by the runner before the
+step into a buffer of its own, and vLLM's attention metadata (block table,
+sequence lengths). The same function derives the step's trees from them
+whether the forward runs eager (the runner publishes ``UNIFORM_STEP``) or is
+being captured into a FULL graph (nothing published: the forward context
+says FULL), so the captured forward reads what the eager one reads and a
+replay sees each step's trees.
+
 Draft steps: the tree drafter runs vLLM's EAGLE model on the frontier nodes of
 every tree with ``BranchAttention`` as the draft layer's attention metadata;
 the impl hands the rows to it (committed head KV from the paged cache, branch
@@ -54,7 +65,8 @@ class VerifyTrees:
     groups: node count T -> (req_indices [B_T] int64 rows of the batch,
     query_starts [B_T] int64 first query token, context_lens [B_T] int64,
     tree_mask in ``mode``'s layout for B_T trees of T nodes).
-    max_context: host int >= every context length (sizes the torch plan).
+    max_context: host int >= every context length (sizes the plan); None:
+    the block table's reach (a shape, for a captured forward).
     covers_batch: every query row of the step is a tree row.
     first_rows: T -> first query row when the group's B_T * T rows are one
     range in order (its queries and outputs are then views), else None.
@@ -62,7 +74,7 @@ class VerifyTrees:
 
     mode: str
     groups: dict
-    max_context: int = 0
+    max_context: int | None = 0
     covers_batch: bool = False
     first_rows: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)  # (block table, T, impl) -> (plan, rows), made by the first layer
@@ -164,12 +176,94 @@ class BranchAttention:
         return output
 
 
-_published: VerifyTrees | None = None
+@dataclass
+class UniformTrees:
+    """The persistent part of uniform decode steps' trees (module docstring).
+
+    mask: [max_num_reqs, ...] the compact masks of ``mode`` for trees of
+    ``nodes`` nodes, request i of the batch at row i, written by the runner
+    before each uniform step (rows past the batch: any valid tree, never
+    read for a real request). Everything else comes from the attention
+    metadata of the step: block_table [B_pad, nb] and seq_lens [B_pad]
+    (context + nodes; 0 for the requests that pad a graph's batch), both
+    vLLM's persistent buffers on V2."""
+
+    mode: str
+    nodes: int
+    mask: torch.Tensor
+    _captured: tuple = (None, None)  # (forward context, its VerifyTrees): shared by one captured forward's layers
+
+    def step_trees(self, attn_metadata, num_tokens: int, max_context: int | None) -> VerifyTrees:
+        """The trees of a uniform batch of ``num_tokens`` query rows (B = num_tokens / nodes
+        requests), from persistent buffers only; max_context: a host bound on the
+        contexts, None for the block table's reach (a shape: what a graph captures)."""
+        batch, nodes = num_tokens // self.nodes, self.nodes
+        context = (attn_metadata.seq_lens[:batch].to(torch.int64) - nodes).clamp(min=0)
+        rows = torch.arange(batch, dtype=torch.int64, device=context.device)
+        return VerifyTrees(mode=self.mode, groups={nodes: (rows, rows * nodes, context, self.mask[:batch])},
+                           max_context=max_context, covers_batch=True, first_rows={nodes: 0})
+
+    def captured_trees(self, attn_metadata, num_tokens: int) -> VerifyTrees:
+        """``step_trees`` for the forward being captured, made by its first layer."""
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        if self._captured[0] is not context:
+            self._captured = (context, self.step_trees(attn_metadata, num_tokens, None))
+        return self._captured[1]
 
 
-def publish_verify_trees(trees: VerifyTrees | None) -> None:
+@dataclass
+class UniformStep:
+    """Published for an eager uniform step: its trees come from ``UniformTrees``
+    (made by the step's first layer, kept for the others). max_context: a
+    host bound on the contexts (sizes the plan), as for ``VerifyTrees``."""
+
+    max_context: int | None = None
+    trees: VerifyTrees | None = None
+
+
+_published: VerifyTrees | UniformStep | None = None
+_uniform: UniformTrees | None = None
+
+
+def publish_verify_trees(trees: VerifyTrees | UniformStep | None) -> None:
     global _published
     _published = trees
+
+
+def install_uniform_trees(trees: UniformTrees | None) -> None:
+    """The engine's uniform-step buffers (the V2 tree runner, at startup)."""
+    global _uniform
+    _uniform = trees
+
+
+def full_graph_capture() -> bool:
+    """Is this forward being captured as a FULL CUDA graph? (Only capture runs
+    the Python forward with FULL: a replay runs none of it.)"""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
+
+
+def verify_trees_of(layer, attn_metadata, num_tokens: int) -> VerifyTrees | None:
+    """The trees a decoder layer's forward computes rows of, or None."""
+    published = _published
+    if attn_metadata is None:
+        return None
+    if isinstance(published, VerifyTrees):  # every decoder layer: V1's head runs over the verify rows too
+        return published
+    uniform = _uniform
+    if uniform is None or getattr(layer, "is_draft_layer", False):  # V2's head runs causal
+        return None
+    if isinstance(published, UniformStep):
+        if published.trees is None:
+            published.trees = uniform.step_trees(attn_metadata, num_tokens, published.max_context)
+        return published.trees
+    if published is None and full_graph_capture():
+        return uniform.captured_trees(attn_metadata, num_tokens)
+    return None
 
 
 def flash_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,8 +314,9 @@ class TreeRowsMixin:
             rows = attn_metadata.num_rows  # rows past them pad the batch to a CUDA-graph size: not computed
             attn_metadata.attend(query[:rows], key[:rows], value[:rows], output[:rows], self.tree_features)
             return output
-        trees = _published
-        tree_step = attn_metadata is not None and trees is not None and self.attn_type == AttentionType.DECODER
+        trees = verify_trees_of(layer, attn_metadata, query.shape[0]) if self.attn_type == AttentionType.DECODER \
+            else None
+        tree_step = attn_metadata is not None and trees is not None
         if not (tree_step and trees.covers_batch):  # vLLM's rows (the tree rows are recomputed below)
             output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                      output_block_scale)

@@ -527,3 +527,60 @@ def test_compiled_heads_refuse_more_draft_rows_than_their_buffer():
         check_draft_rows_fit(*config(CompilationMode.VLLM_COMPILE, 33))
     with pytest.raises(tc.TreeConfigError, match=r"topk=8"):
         check_draft_rows_fit(*config(CompilationMode.VLLM_COMPILE, 32, menu=(None, TreeShape(3, 8, 16))))
+
+
+def test_uniform_steps_read_their_trees_from_persistent_buffers(monkeypatch):
+    """Issue 49 item 3: a uniform decode step's trees (what a FULL CUDA graph replays) come
+    from the runner's persistent mask buffer and vLLM's metadata (block table, sequence
+    lengths) only, by the same function eager and under capture; the rows equal the ones the
+    explicitly published trees give; a padded request (sequence length 0) stays finite; V2's
+    head layers (is_draft_layer) get no tree rows from it; one captured forward's layers share
+    one set of trees, the next forward makes its own."""
+    from types import SimpleNamespace
+
+    import spec_tree_kernels as stk
+    from spec_plugins.vllm_ext import attention as A
+
+    gen = torch.Generator().manual_seed(5)
+    T, B, heads, dim, bs, nb = 4, 4, 4, 32, 16, 16  # request 3 pads the batch
+    k_view, v_view = A.flash_kv_views(torch.randn(nb, 2, bs, 2 * dim, generator=gen))
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 0], [-1, 0, 1, 2]])
+    seq_lens = torch.tensor([40 + T, 9 + T, 70 + T, 0], dtype=torch.int32)
+    context = (seq_lens.long() - T).clamp(min=0)
+    masks = stk.tree_from_parents(parents, context, "ANCESTOR_BITMASK").tree_mask
+    mask = torch.zeros(8, *masks.shape[1:], dtype=masks.dtype)  # the runner's buffer: max_num_reqs rows
+    mask[:B] = masks
+    metadata = SimpleNamespace(seq_lens=seq_lens, block_table=torch.stack(
+        [torch.randperm(nb, generator=gen)[:6] for _ in range(B)]).to(torch.int32))
+    query = torch.randn(B * T, heads, dim, generator=gen)
+    uniform = A.UniformTrees(mode="ANCESTOR_BITMASK", nodes=T, mask=mask)
+    target, head = SimpleNamespace(is_draft_layer=False), SimpleNamespace(is_draft_layer=True)
+    monkeypatch.setattr(A, "_uniform", uniform)
+
+    def rows(trees):
+        out = torch.zeros(B * T, heads * dim)
+        A.compute_tree_rows(trees, query, out, k_view, v_view, metadata.block_table, heads, dim, dim ** -0.5,
+                            impl="torch")
+        return out
+
+    rows_ = torch.arange(B)
+    explicit = A.VerifyTrees(mode="ANCESTOR_BITMASK", groups={T: (rows_, rows_ * T, context, mask[:B])},
+                             max_context=int(context.max()))
+    monkeypatch.setattr(A, "_published", A.UniformStep(max_context=int(context.max())))
+    eager = A.verify_trees_of(target, metadata, B * T)
+    assert A.verify_trees_of(target, metadata, B * T) is eager and A.verify_trees_of(head, metadata, B * T) is None
+    assert torch.equal(rows(eager), rows(explicit)) and torch.isfinite(rows(eager)).all()
+
+    monkeypatch.setattr(A, "_published", None)
+    assert A.verify_trees_of(target, metadata, B * T) is None  # eager, nothing published: no tree rows
+    monkeypatch.setattr(A, "full_graph_capture", lambda: True)
+    import vllm.forward_context as fc
+
+    forward = SimpleNamespace()
+    monkeypatch.setattr(fc, "get_forward_context", lambda: forward)
+    captured = A.verify_trees_of(target, metadata, B * T)
+    assert captured.max_context is None  # the block table's reach: a shape, what the graph keeps
+    assert A.verify_trees_of(target, metadata, B * T) is captured and A.verify_trees_of(head, metadata, B * T) is None
+    assert torch.equal(rows(captured), rows(explicit))
+    forward = SimpleNamespace()  # the next captured forward (another batch size)
+    assert A.verify_trees_of(target, metadata, (B - 1) * T) is not captured
