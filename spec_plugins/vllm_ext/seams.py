@@ -203,6 +203,16 @@ SEAMS: tuple[Seam, ...] = (
     Seam(V2_EAGLE, "propose", "method", "input_batch, attn_metadata, slot_mappings, last_hidden_states, "
          "aux_hidden_states, num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, ...",
          "replaced: tree drafting"),
+    Seam(V2_EAGLE, "load_draft_model", "method", "target_model, target_attn_layer_names",
+         "given a BLOOM-style target as a view it can read (proposer.target_view)"),
+    Seam(V2_EAGLE, "init_cudagraph_manager", "method", "cudagraph_mode", "given NONE: the head runs eager"),
+    Seam(V2, "initialize_kv_cache", "writes", "self.kernel_block_sizes",
+         "kernel_block_sizes (set by tuple unpacking) checked against the KV manager's block sizes at startup"),
+    Seam(V2, "cudagraph_manager", "attr", why="its capture is wrapped: uniform batches take the uniform tree rows"),
+    Seam("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager", "capture", "method", "create_forward_fn, ...",
+         "each batch warmed eager, then captured, inside attention.capturing_graphs"),
+    Seam("vllm.config:ModelConfig", "return_sampling_mask", "field", why="refused on the V2 tree runner",
+         stage=REG),
     Seam(V2_EAGLE, "_copy_request_inputs", "method", "num_reqs, idx_mapping, temperature, seeds, ...",
          "called as V2's propose calls it"),
     Seam(V2_EAGLE, "_run_model", "method", "num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, "
@@ -318,18 +328,24 @@ SEAMS: tuple[Seam, ...] = (
     *(Seam(f"{FLASH}:FlashAttentionImpl", a, "attr", why="the layer's attention variant: passed to the tree kernels "
            "or refused (startup_checks)", platform="cuda")
       for a in ("sliding_window", "sinks", "logits_soft_cap", "alibi_slopes")),
-    Seam(f"{FLASH}:FlashAttentionMetadata", "block_table", "field", why="tree rows read the paged cache",
-         platform="cuda"),
+    *(Seam(f"{FLASH}:FlashAttentionMetadata", f, "field", why="tree rows read the paged cache; a uniform step's "
+           "trees read it (attention.UniformTrees)", platform="cuda") for f in ("block_table", "seq_lens",
+                                                                               "max_query_len")),
     Seam(f"{FLASH}:FlashAttentionBackend", "get_impl_cls", "method", "", "overridden: the tree impl",
          platform="cuda"),
     Seam(f"{FLASH}:FlashAttentionBackend", "get_builder_cls", "method", "",
          "overridden: the tree builder declares its CUDA-graph support", platform="cuda"),
     Seam(f"{FLASH}:FlashAttentionMetadataBuilder", "get_cudagraph_support", "method", "vllm_config, kv_cache_spec",
          "answers the class's _cudagraph_support, which the tree builder sets", platform="cuda"),
-    Seam(f"{FLASH}:FlashAttentionMetadataBuilder", "_cudagraph_support", "attr", why="set to NEVER by the tree "
-         "builder", platform="cuda"),
-    Seam("vllm.v1.attention.backend:AttentionCGSupport", "NEVER", "member", why="the tree backend's graph support",
-         platform="cuda"),
+    Seam(f"{FLASH}:FlashAttentionMetadataBuilder", "_cudagraph_support", "attr", why="set to UNIFORM_BATCH by the "
+         "tree builder", platform="cuda"),
+    Seam("vllm.v1.attention.backend:AttentionCGSupport", "UNIFORM_BATCH", "member",
+         why="the tree backend's graph support", platform="cuda"),
+    Seam("vllm.config:CUDAGraphMode", "has_full_cudagraphs", "method", "", "full graphs refused with the V1 runner",
+         stage=REG),
+    Seam("vllm.model_executor.layers.attention_layer_base:AttentionLayerBase", "is_draft_layer", "attr",
+         why="V2's head layers get no uniform-step tree rows (set by V2's speculator)"),
+    Seam("vllm.forward_context", "get_forward_context", "method", "", "one captured forward's layers share its trees"),
     Seam(f"{CPU_ATTN}:CPUAttentionBackendImpl", "forward", "method", "layer, query, key, value, kv_cache, "
          "attn_metadata, output, output_scale, output_block_scale", "TreeRowsMixin.forward wraps it", platform="cpu"),
     *(Seam(f"{CPU_ATTN}:CPUAttentionBackendImpl", a, "attr", why="tree rows' geometry", platform="cpu")
@@ -337,8 +353,9 @@ SEAMS: tuple[Seam, ...] = (
     *(Seam(f"{CPU_ATTN}:CPUAttentionBackendImpl", a, "attr", why="the layer's attention variant: passed to the tree "
            "kernels or refused (startup_checks)", platform="cpu")
       for a in ("sliding_window", "sinks", "logits_soft_cap", "alibi_slopes")),
-    Seam(f"{CPU_ATTN}:CPUAttentionMetadata", "block_table", "field", why="tree rows read the paged cache",
-         platform="cpu"),
+    *(Seam(f"{CPU_ATTN}:CPUAttentionMetadata", f, "field", why="tree rows read the paged cache; a uniform step's "
+           "trees read it (attention.UniformTrees)", platform="cpu") for f in ("block_table", "seq_lens",
+                                                                              "max_query_len")),
     Seam(f"{CPU_ATTN}:CPUAttentionBackend", "get_impl_cls", "method", "", "overridden: the tree impl",
          platform="cpu"),
     Seam(CPU_ATTN, "_get_attn_isa", "method", "dtype, block_size, head_size, kv_cache_dtype",

@@ -31,7 +31,7 @@ from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import prepar
 from spec_plugins.tree_commit import linear_positions, path_order
 
 from .attention import publish_verify_trees
-from .proposer import TreeDrafter
+from .proposer import TreeDrafter, target_view
 
 
 class V2TreeDrafter(TreeDrafter):
@@ -62,6 +62,18 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
         self.tree_parents = torch.full((self.max_num_reqs, T), -1, dtype=torch.int64, device=device)
         self.tree_drafter: V2TreeDrafter | None = None
 
+    def load_draft_model(self, target_model, target_attn_layer_names):
+        """V2's loader, given a target whose decoder is ``transformer`` (BLOOM) as
+        a view it can read (``proposer.target_view``)."""
+        return super().load_draft_model(target_view(target_model), target_attn_layer_names)
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        """No graphs of V2's own drafting: the tree speculator runs the head's
+        forwards eager (``_run_model`` and the draft levels with mode NONE), so
+        V2's captures of its chain's prefill and decode steps would cost startup
+        time and graph memory and never replay."""
+        super().init_cudagraph_manager(CUDAGraphMode.NONE)
+
     def make_drafter(self) -> None:
         """After the head is loaded (``runner.load_model``)."""
         runner = self.tree_runner
@@ -83,12 +95,18 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
         publish_verify_trees(None)  # the head runs causal over the (gathered) rows
         if step is not None and step.groups:
             features = self._commit_walk(step, input_batch, features, slot_mappings)
+        if step is not None and step.uniform_context is not None:  # every row had its tree position
+            input_batch.positions[: step.uniform_context.shape[0] * self.tree_runner.uniform_trees.nodes] = \
+                linear_positions(step.uniform_context, self.tree_runner.uniform_trees.nodes).to(
+                    input_batch.positions.dtype)
         self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
         prepare_prefill_inputs(self.last_token_indices, self.current_draft_step, self.input_buffers, input_batch,
                                num_sampled, num_rejected, last_sampled, next_prefill_tokens, self.max_num_reqs)
         self.hidden_states[:num_tokens].copy_(features[:num_tokens])
         h_logits, h_next = self._run_model(num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp=None,
                                            cudagraph_runtime_mode=CUDAGraphMode.NONE)
+        if num_speculative_tokens == 0:  # vLLM skips this step's drafts (V2 sets them to -1): the head's KV is kept
+            return self.draft_tokens[:num_reqs]
         last_rows = self.last_token_indices[:num_reqs]
         trees = self._draft(input_batch, h_logits[last_rows], h_next[last_rows],
                             self.input_buffers.positions[last_rows] + 1)

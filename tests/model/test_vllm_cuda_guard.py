@@ -139,14 +139,15 @@ def test_target_and_head_layers_get_the_tree_backend_on_cuda(reports):
 
 def test_tree_rows_run_on_vllms_default_engine_on_cuda(reports):
     """Issue 49: every tree command line builds vLLM 0.33's default engine: Model
-    Runner V2, async scheduling on, FULL_AND_PIECEWISE configured; what V2's
-    runner then resolves for the tree backend's declared graph support (NEVER:
-    the tree rows run in attention's eager forward) is PIECEWISE, by vLLM's code."""
+    Runner V2, async scheduling on, FULL_AND_PIECEWISE; and what V2's runner
+    then resolves for the tree backend's declared graph support (UNIFORM_BATCH:
+    uniform decode batches read their trees from persistent buffers) is still
+    FULL_AND_PIECEWISE, by vLLM's own code."""
     trees = [r for r in reports["cuda"]["command_lines"] if r.get("tree")]
     assert len(trees) >= 10
     engine = {(r["v2_runner"], r["async_scheduling"], r["cudagraph_mode"], r["runtime_cudagraph_mode"])
               for r in trees}
-    assert engine == {(True, True, "FULL_AND_PIECEWISE", "PIECEWISE")}, engine
+    assert engine == {(True, True, "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE")}, engine
 
 
 def test_cpu_modules_and_cpu_seams_against_033(reports):

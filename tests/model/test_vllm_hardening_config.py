@@ -243,11 +243,11 @@ def test_startup_check_hands_windows_and_sinks_to_the_tree_rows():
 
 @pytest.mark.parametrize("runner,given,pinned", [
     ("0", None, "PIECEWISE"), ("0", "piecewise", "PIECEWISE"), ("0", "NONE", "NONE"),
-    ("0", "full_and_piecewise", "FULL_AND_PIECEWISE"), ("1", "full_and_piecewise", "FULL_AND_PIECEWISE"),
-    ("1", None, None), ("1", "Piecewise", "PIECEWISE")])
+    ("1", None, None), ("1", "Piecewise", "PIECEWISE"), ("1", "full_and_piecewise", "FULL_AND_PIECEWISE"),
+    ("1", "full", "FULL")])
 def test_cudagraph_mode_strings_are_parsed(monkeypatch, runner, given, pinned):
-    """V1 pins PIECEWISE when unset; V2 keeps vLLM's default (the tree backend's
-    declared graph support makes vLLM narrow it: tests/model/test_vllm_cuda_guard.py)."""
+    """V1 pins PIECEWISE when unset; V2 keeps vLLM's choice (resolved by vLLM against the
+    tree backend's UNIFORM_BATCH support: tests/model/test_vllm_cuda_guard.py)."""
     from vllm.config import CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
@@ -258,9 +258,10 @@ def test_cudagraph_mode_strings_are_parsed(monkeypatch, runner, given, pinned):
     assert ea.compilation_config.cudagraph_mode is (None if pinned is None else CUDAGraphMode[pinned])
 
 
-@pytest.mark.parametrize("runner", ["0", "1"])
-@pytest.mark.parametrize("given,needle", [("FULL", "cudagraph_mode=FULL:"), ("full_decode_only", "FULL_DECODE_ONLY"),
-                                          ("sometimes", "not a CUDAGraphMode name")])
+@pytest.mark.parametrize("runner,given,needle", [
+    ("0", "FULL", "cudagraph_mode=FULL on vLLM's V1"), ("0", "full_decode_only", "FULL_DECODE_ONLY on vLLM's V1"),
+    ("0", "full_and_piecewise", "FULL_AND_PIECEWISE on vLLM's V1"), ("0", "sometimes", "not a CUDAGraphMode name"),
+    ("1", "sometimes", "not a CUDAGraphMode name")])
 def test_full_or_unknown_cudagraph_mode_strings_are_refused(monkeypatch, runner, given, needle):
     from vllm.engine.arg_utils import EngineArgs
 

@@ -264,17 +264,24 @@ def test_tree_mode_follows_vllms_v2_runner(monkeypatch):
         tc.prepare_engine_args(_engine_args(async_scheduling=True))
 
 
-def test_vllms_own_v1_choice_with_async_scheduling_is_refused():
+def test_vllms_own_v1_choice_with_async_scheduling_or_full_graphs_is_refused():
     """vLLM may still build V1 for a feature V2 lacks after prepare_engine_args
-    expected V2 (async scheduling then already on): refused by name at startup."""
+    expected V2 (async scheduling and full graphs then already on): refused by name at startup."""
     from types import SimpleNamespace
 
     settings = tc.parse_tree_settings({})
     v1_async = SimpleNamespace(use_v2_model_runner=False, scheduler_config=SimpleNamespace(async_scheduling=True))
     with pytest.raises(tc.TreeConfigError, match="async_scheduling=True with vLLM's V1 model runner"):
         tc.check_runner_options(v1_async, settings)
-    tc.check_runner_options(SimpleNamespace(use_v2_model_runner=False,
-                                            scheduler_config=SimpleNamespace(async_scheduling=False)), settings)
+    from vllm.config import CUDAGraphMode
+
+    def v1(mode):
+        return SimpleNamespace(use_v2_model_runner=False, scheduler_config=SimpleNamespace(async_scheduling=False),
+                               compilation_config=SimpleNamespace(cudagraph_mode=mode))
+
+    tc.check_runner_options(v1(CUDAGraphMode.PIECEWISE), settings)
+    with pytest.raises(tc.TreeConfigError, match="cudagraph_mode=FULL_AND_PIECEWISE with vLLM's V1"):
+        tc.check_runner_options(v1(CUDAGraphMode.FULL_AND_PIECEWISE), settings)
 
 
 def test_register_is_idempotent():
@@ -529,7 +536,8 @@ def test_compiled_heads_refuse_more_draft_rows_than_their_buffer():
         check_draft_rows_fit(*config(CompilationMode.VLLM_COMPILE, 32, menu=(None, TreeShape(3, 8, 16))))
 
 
-def test_uniform_steps_read_their_trees_from_persistent_buffers(monkeypatch):
+@pytest.mark.parametrize("mode", ["ANCESTOR_BITMASK", "PARENT_POINTER", "QLEN_ONLY"])
+def test_uniform_steps_read_their_trees_from_persistent_buffers(monkeypatch, mode):
     """Issue 49 item 3: a uniform decode step's trees (what a FULL CUDA graph replays) come
     from the runner's persistent mask buffer and vLLM's metadata (block table, sequence
     lengths) only, by the same function eager and under capture; the rows equal the ones the
@@ -547,13 +555,12 @@ def test_uniform_steps_read_their_trees_from_persistent_buffers(monkeypatch):
     parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 0], [-1, 0, 1, 2]])
     seq_lens = torch.tensor([40 + T, 9 + T, 70 + T, 0], dtype=torch.int32)
     context = (seq_lens.long() - T).clamp(min=0)
-    masks = stk.tree_from_parents(parents, context, "ANCESTOR_BITMASK").tree_mask
-    mask = torch.zeros(8, *masks.shape[1:], dtype=masks.dtype)  # the runner's buffer: max_num_reqs rows
-    mask[:B] = masks
-    metadata = SimpleNamespace(seq_lens=seq_lens, block_table=torch.stack(
+    masks = stk.tree_from_parents(parents, context, mode).tree_mask
+    uniform = A.UniformTrees.create(mode, T, 8, "cpu")  # the runner's buffer: max_num_reqs rows
+    uniform.write(masks, B)
+    metadata = SimpleNamespace(seq_lens=seq_lens, max_query_len=T, block_table=torch.stack(
         [torch.randperm(nb, generator=gen)[:6] for _ in range(B)]).to(torch.int32))
     query = torch.randn(B * T, heads, dim, generator=gen)
-    uniform = A.UniformTrees(mode="ANCESTOR_BITMASK", nodes=T, mask=mask)
     target, head = SimpleNamespace(is_draft_layer=False), SimpleNamespace(is_draft_layer=True)
     monkeypatch.setattr(A, "_uniform", uniform)
 
@@ -564,7 +571,7 @@ def test_uniform_steps_read_their_trees_from_persistent_buffers(monkeypatch):
         return out
 
     rows_ = torch.arange(B)
-    explicit = A.VerifyTrees(mode="ANCESTOR_BITMASK", groups={T: (rows_, rows_ * T, context, mask[:B])},
+    explicit = A.VerifyTrees(mode=mode, groups={T: (rows_, rows_ * T, context, masks)},
                              max_context=int(context.max()))
     monkeypatch.setattr(A, "_published", A.UniformStep(max_context=int(context.max())))
     eager = A.verify_trees_of(target, metadata, B * T)
@@ -573,14 +580,18 @@ def test_uniform_steps_read_their_trees_from_persistent_buffers(monkeypatch):
 
     monkeypatch.setattr(A, "_published", None)
     assert A.verify_trees_of(target, metadata, B * T) is None  # eager, nothing published: no tree rows
-    monkeypatch.setattr(A, "full_graph_capture", lambda: True)
     import vllm.forward_context as fc
 
     forward = SimpleNamespace()
     monkeypatch.setattr(fc, "get_forward_context", lambda: forward)
-    captured = A.verify_trees_of(target, metadata, B * T)
-    assert captured.max_context is None  # the block table's reach: a shape, what the graph keeps
-    assert A.verify_trees_of(target, metadata, B * T) is captured and A.verify_trees_of(head, metadata, B * T) is None
-    assert torch.equal(rows(captured), rows(explicit))
-    forward = SimpleNamespace()  # the next captured forward (another batch size)
-    assert A.verify_trees_of(target, metadata, (B - 1) * T) is not captured
+    with A.capturing_graphs():  # what the V2 runner wraps V2's graph captures in (warm-up forward, capture)
+        captured = A.verify_trees_of(target, metadata, B * T)
+        assert captured.max_context is None  # the block table's reach: a shape, what the graph keeps
+        assert A.verify_trees_of(target, metadata, B * T) is captured
+        assert A.verify_trees_of(head, metadata, B * T) is None
+        assert torch.equal(rows(captured), rows(explicit))
+        forward = SimpleNamespace()  # the next captured forward (another batch size)
+        assert A.verify_trees_of(target, metadata, (B - 1) * T) is not captured
+        # a mixed batch (a piecewise capture: attention eager between the pieces) gets no uniform trees
+        assert A.verify_trees_of(target, SimpleNamespace(**{**vars(metadata), "max_query_len": 1}), B * T) is None
+    assert not A.full_graph_capture() and A.verify_trees_of(target, metadata, B * T) is None

@@ -225,9 +225,9 @@ def tree_gpu_runner_class():
 
 
 def step_cudagraph_mode():
-    """V2: vLLM's default mode stays (decided later, FULL_AND_PIECEWISE), and the
-    tree backend's declared support (NEVER) makes vLLM's own resolution narrow it
-    to PIECEWISE; full modes asked for by name are refused by the plugin."""
+    """V2: the mode is vLLM's (unset: its default FULL_AND_PIECEWISE, decided
+    later; any mode asked for is vLLM's to resolve against the tree backend's
+    declared UNIFORM_BATCH). V1: PIECEWISE pinned, full modes refused by name."""
     from vllm.config import CompilationConfig, CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
@@ -237,20 +237,24 @@ def step_cudagraph_mode():
     config.prepare_gpu_engine_args(args)
     assert args.compilation_config.cudagraph_mode is None, args.compilation_config.cudagraph_mode
     assert args.attention_backend == "CUSTOM", args.attention_backend
-    for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
-        full = EngineArgs(model=guard_target(), compilation_config=CompilationConfig(cudagraph_mode=mode))
-        try:
-            config.prepare_gpu_engine_args(full)
-        except config.TreeConfigError as exc:
-            assert f"cudagraph_mode={mode.name}" in str(exc), exc
-        else:
-            raise AssertionError(f"{mode.name} was not refused")
-    kept = EngineArgs(model=guard_target(),
-                      compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE))
-    config.prepare_gpu_engine_args(kept)
-    assert kept.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
+        kept = EngineArgs(model=guard_target(), compilation_config=CompilationConfig(cudagraph_mode=mode))
+        config.prepare_gpu_engine_args(kept)
+        assert kept.compilation_config.cudagraph_mode == mode
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    try:
+        for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
+            full = EngineArgs(model=guard_target(), compilation_config=CompilationConfig(cudagraph_mode=mode))
+            try:
+                config.prepare_gpu_engine_args(full)
+            except config.TreeConfigError as exc:
+                assert f"cudagraph_mode={mode.name} on vLLM's V1" in str(exc), exc
+            else:
+                raise AssertionError(f"{mode.name} was not refused on V1")
+    finally:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
     support = attention_gpu.TreeFlashAttentionBackend.get_builder_cls().get_cudagraph_support(None, None)
-    assert support.name == "NEVER", support
+    assert support.name == "UNIFORM_BATCH", support
 
 
 def resolved_cudagraph_mode(vllm_config, support) -> str:
