@@ -226,3 +226,28 @@ def test_trees_under_async_scheduling_identical_to_no_speculation(async_runs):
             assert (a["tokens"], a["finish"]) == (b["tokens"], b["finish"]), f"job {job}, request {i}"
     stats, spec = async_runs["tree"]["stats"], async_runs["tree"]["spec"]
     assert stats["trees_verified"] > 0 and spec["accepted"] >= 0.3 * stats["trees_verified"], (stats, spec)
+
+
+# ------------------------------------------------------------------ a target without `model`
+# BLOOM-style targets (decoder under `transformer`, ALiBi on every layer): V2's own EAGLE loader
+# (load_eagle_model) reads `target.model` to share the target's embeddings with an EAGLE-1 head and
+# raised AttributeError; the tree speculator hands it proposer.target_view. The head is a random
+# EAGLE-1 head (tests/model/tiny_checkpoints.py): identity to no speculation is the check.
+def test_bloom_style_target_served_on_v2(tmp_path):
+    from tiny_checkpoints import VOCAB, build_pair
+
+    target, head = build_pair("bloom", tmp_path)
+    size = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, "max_num_seqs": 4}
+    prompts = [{"prompt_token_ids": [4 + (7 * s + 11 * i) % (VOCAB - 4) for i in range(n)]}
+               for s, n in enumerate((5, 19, 9))]
+    job = {"prompts": prompts, "params": [dict(temperature=0, max_tokens=8, ignore_eos=True)] * len(prompts)}
+    engines = [
+        {"name": "none", "kwargs": vllm_runs.engine_kwargs(str(target), **size)},
+        {"name": "tree", "kwargs": vllm_runs.engine_kwargs(
+            str(target), **size, speculative_config={"method": "eagle", "model": str(head)},
+            additional_config={"spec_tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 5}})},
+    ]
+    runs = run_child({"engines": engines, "jobs": [job]})
+    assert runs["tree"]["runner"] == "spec_plugins.vllm_ext.runner_v2_cpu.TreeCPUModelRunnerV2"
+    assert [o["tokens"] for o in runs["tree"]["jobs"][0]] == [o["tokens"] for o in runs["none"]["jobs"][0]]
+    assert runs["tree"]["stats"]["trees_verified"] > 0
