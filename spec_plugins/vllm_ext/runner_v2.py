@@ -255,7 +255,7 @@ class TreeRunnerV2Mixin:
         context_lens = input_batch.positions[q_starts].to(torch.int64)  # the root's position (V2's, linear)
         parents = self.speculator.tree_parents[input_batch.idx_mapping[rows], :nodes]
         build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode,
-                                      max_depth=nodes - 1, validate=False)  # trees by construction: no sync
+                                      max_depth=nodes - 1, validate=False, impl=self.tree_impl)  # trees: no sync
         input_batch.positions[rows_of_nodes.flatten()] = build.positions.flatten().to(input_batch.positions.dtype)
         candidates = input_batch.input_ids[rows_of_nodes].to(torch.int64)
         return TreeGroupV2(nodes=nodes, rows_np=rows_np, q_start_np=q_start_np, logit_start_np=logit_start_np,
