@@ -50,6 +50,7 @@ _AUTO_PREFERENCE = {
     "move_kv": ("cuda", "triton", "torch"),
     "attention": ("triton", "torch"),  # tree attention (``attention.py``): no CUDA C++ kernel
     "block_tree": ("triton", "torch"),  # DDTree's block tree (``block_tree.py``): no CUDA C++ kernel
+    "from_parents": ("triton", "torch"),  # tree_from_parents: 1 launch vs ~120 ops (not timed on a GPU yet); no C++
 }
 # The implementations an op accepts where not all of IMPLS: asked for another
 # one it raises ValueError, and ``SPEC_TREE_KERNELS_IMPL`` naming another one
@@ -319,8 +320,9 @@ def tree_from_parents(
     *,
     max_depth: int | None = None,
     validate: bool = True,
+    impl: str = "auto",
 ) -> TreeBuild:
-    """``build_tree``'s outputs for trees given as parent pointers (torch ops).
+    """``build_tree``'s outputs for trees given as parent pointers.
 
     For engines that keep each request's tree as parents (vLLM: a request's
     drafts may be cut to a BFS prefix by the scheduler, and a prefix of a
@@ -329,9 +331,19 @@ def tree_from_parents(
               parent must precede its child.
     seq_lens: [B] int64 committed context length (positions = seq_lens + depth).
     mode:     any mode but FULL_MASK (whose prefix columns need the context).
+    max_depth: levels climbed (default T - 1); a node deeper than that gets
+              depth max_depth + 1 and misses its upper ancestors.
     validate: check the parents (reads the device); a caller whose parents
               are trees by construction (its own drafter's) passes False, so
               the build stays on the device (no host sync, capturable).
+    impl:     "torch" the reference (~120 small ops: ``ancestor_matrix`` climbs
+              one level per op group); "triton" one launch
+              (``triton_ops.tree_from_parents``); "cuda" has no C++ kernel of
+              its own and runs the Triton one where Triton is usable (else the
+              reference); "auto" Triton on CUDA, the reference elsewhere
+              (``SPEC_TREE_KERNELS_IMPL`` honoured where Triton can run: on
+              host tensors outside the interpreter "auto" is the reference).
+              Every implementation returns the same bits.
     Raises ValueError on a parents array that is not such a tree.
     """
     mode = parse_mask_mode(mode)
@@ -344,15 +356,16 @@ def tree_from_parents(
         raise ValueError(f"trees must have 1..{max_nodes(mode)} nodes for mask mode {mode.name}, got {nodes}")
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries for {batch} trees")
-    node = torch.arange(nodes, device=parent.device)
-    if validate and (bool((parent[:, 0] != -1).any())
-                     or bool(((parent[:, 1:] < 0) | (parent[:, 1:] >= node[1:])).any())):
+    if validate and (bool((parent[:, 0] != -1).any()) or bool(
+            ((parent[:, 1:] < 0) | (parent[:, 1:] >= torch.arange(1, nodes, device=parent.device))).any())):
         raise ValueError(f"parent must be -1 for node 0 and in [0, i) for node i, got {parent.tolist()}")
-    anc, depth, _ = reference.ancestor_matrix(parent, nodes - 1 if max_depth is None else max_depth)
-    first_child, next_sibling = reference.tree_links(parent)
-    mask = reference.encode_mask(anc, parent, depth, seq_lens, mode, 0, False, None)
-    retrieve_index = torch.arange(batch * nodes, device=parent.device, dtype=torch.int64).view(batch, nodes)
-    return TreeBuild(mask, seq_lens[:, None] + depth, retrieve_index, first_child, next_sibling)
+    max_depth = nodes - 1 if max_depth is None else max_depth
+    if impl == "auto" and not triton_usable(parent.device):
+        impl = "torch"  # host tensors (V1 builds its trees on the host): the reference, whatever IMPL_ENV forces
+    which = resolve_impl("from_parents", impl, parent.device)
+    if which == "cuda":  # no C++ kernel of its own: the GPU's one launch
+        which = "triton" if triton_usable(parent.device) else "torch"
+    return _implementation("from_parents", which, parent.device).tree_from_parents(parent, seq_lens, mode, max_depth)
 
 
 def node_parents(selected_index: torch.Tensor, parent_list: torch.Tensor, topk: int,

@@ -220,6 +220,17 @@ def encode_mask(
     return out
 
 
+def tree_from_parents(parent: torch.Tensor, seq_lens: torch.Tensor, mode: TreeMaskMode, max_depth: int) -> TreeBuild:
+    """``TreeBuild`` of trees given as parents ([B, T] int64, -1 root; seq_lens
+    [B] int64), climbing ``max_depth`` + 1 levels (``ancestor_matrix``)."""
+    batch, nodes = parent.shape
+    anc, depth, _ = ancestor_matrix(parent, max_depth)
+    first_child, next_sibling = tree_links(parent)
+    mask = encode_mask(anc, parent, depth, seq_lens, mode, 0, False, None)
+    retrieve_index = torch.arange(batch * nodes, device=parent.device, dtype=torch.int64).view(batch, nodes)
+    return TreeBuild(mask, seq_lens[:, None] + depth, retrieve_index, first_child, next_sibling)
+
+
 def build_tree(
     selected_index: torch.Tensor,
     parent_list: torch.Tensor,

@@ -36,7 +36,8 @@ from .tree_shape import TreeShape, parent_list_width, pool_size
 from .triton_launch import Launch, Variant, capturing
 
 logger = logging.getLogger("spec_tree_kernels")
-TRITON_OPS = ("select", "verify", "verify_sampling", "move_kv")  # the api ops with Triton kernels, attention aside
+# the api ops with Triton kernels, attention aside
+TRITON_OPS = ("select", "from_parents", "verify", "verify_sampling", "move_kv")
 
 
 def prepare(device, build_timeout: float | None = None) -> dict[str, str]:
@@ -208,7 +209,8 @@ class _DummyAttention:
             layer, device = self.layer, self.layer.k_cache.device
             parents = torch.arange(-1, nodes - 1, device=device).expand(batch, nodes)
             context_lens = torch.zeros(batch, dtype=self.config.context_dtype, device=device)
-            mask = tree_from_parents(parents, context_lens.long(), self.config.mode).tree_mask
+            # the reference: a Triton build here would be held with the attention launches, not run
+            mask = tree_from_parents(parents, context_lens.long(), self.config.mode, impl="torch").tree_mask
             table = torch.zeros(batch, layer.block_table.shape[1], dtype=layer.block_table.dtype, device=device)
             q = torch.zeros(batch, nodes, layer.num_q_heads, layer.k_cache.shape[3], dtype=layer.k_cache.dtype,
                             device=device)
@@ -282,8 +284,8 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
                      draft_layers: Sequence[AttentionLayer] = ()) -> list[Launch]:
     """One ``Launch`` per Triton variant serving ``config`` on ``device`` can
     make, each captured from the public entry point serving calls
-    (``api.select_tree_nodes`` / ``verify_tree_greedy`` / ``verify_tree_sampling``
-    / ``move_accepted_kv``, ``TreeAttentionPlan``) on small dummy inputs of
+    (``api.select_tree_nodes`` / ``tree_from_parents`` / ``verify_tree_greedy`` /
+    ``verify_tree_sampling`` / ``move_accepted_kv``, ``TreeAttentionPlan``) on small dummy inputs of
     the dtypes, strides and alignment serving passes.
 
     impls: op (``TRITON_OPS``) -> the impl serving passes (default "auto");
@@ -322,6 +324,10 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
     width = config.verify_depth + 1
     for nodes in config.tree_sizes:
         no_links = torch.full((1, nodes), -1, dtype=torch.int64, device=device)
+        if "from_parents" in triton_ops and config.mode != TreeMaskMode.FULL_MASK:  # as vLLM's V2 runner builds them
+            add(lambda n=nodes: api.tree_from_parents(
+                torch.arange(-1, n - 1, device=device)[None], zeros(1), config.mode, max_depth=n - 1, validate=False,
+                impl=impls["from_parents"]))
         if "verify" in triton_ops:
             add(lambda n=nodes, links=no_links: api.verify_tree_greedy(
                 zeros(1, n), links, links, zeros(1, n), config.verify_depth, impl=impls["verify"]))

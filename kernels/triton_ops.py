@@ -1,4 +1,5 @@
-"""Triton implementations of the tree ops (one program per request).
+"""Triton implementations of the tree ops (one program per request, or per
+row tile of a request for the tree build from parents).
 
 Semantics, shapes and dtypes are those of ``reference.py``; call these through
 ``spec_tree_kernels.api``, which validates the inputs. Every launch has a grid
@@ -20,7 +21,7 @@ from .modes import TreeMaskMode, ancestor_bitmask_words, empty_tree_mask
 from .reference import TreeBuild, VerifyResult, empty_verify_result
 from .triton_launch import launch  # the one launch seam (recorded; captured by the startup warm-up)
 
-_ROW_TILE = 16  # rows of a [rows, T] tile in the build kernel
+_ROW_TILE = 16  # rows of a [rows, T] tile in the build kernels (at most)
 
 
 def _pow2(n: int) -> int:
@@ -99,6 +100,75 @@ def select_tree_nodes(scores, parent_list, topk, num_steps, num_draft_tokens):
 
 
 @triton.jit
+def _tree_rows(
+    b,  # request (int64)
+    rows,  # [ROWS] node indices of this tile (rows >= T are masked off)
+    cols,  # [BLOCK_T] 0..BLOCK_T-1, BLOCK_T >= T
+    col_parent,  # [BLOCK_T] parent of every node (any value past T)
+    parent_ptr,  # [B, T] int32 | int64 node-local parents, -1 root (negative: no parent)
+    seq_len,  # committed context length of request b (int64)
+    prefix_ptr,  # [B] int64 exclusive prefix sum of seq_lens (FULL_MASK only)
+    mask_ptr,  # mode layout, written through an integer view (``modes``)
+    positions_ptr,  # [B, T] int64
+    retrieve_index_ptr,
+    next_token_ptr,
+    next_sibling_ptr,  # [B, T] int64 each
+    T,
+    climbs,  # levels to climb at most: reference.ancestor_matrix's max_depth + 1
+    MODE: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Rows ``rows`` of request b's ``TreeBuild``: ``reference.ancestor_matrix``
+    (climbing at most ``climbs`` levels), ``encode_mask`` and ``tree_links``.
+    Returns [ROWS] the node each row's climb stopped at (-1: it left the tree
+    through the root)."""
+    row_ok = rows < T
+    col_ok = cols < T
+    row_parent = tl.load(parent_ptr + b * T + rows, mask=row_ok, other=-1)
+    anc = (cols[None, :] == rows[:, None]) & col_ok[None, :]
+    depth = tl.zeros(rows.shape, dtype=tl.int32)
+    cur = tl.where(row_ok, rows, -1).to(row_parent.dtype)
+    climbed = 0
+    # a climb of rows that all left the tree changes nothing: stop there (the last climb leaves the root)
+    while (climbed < climbs) & (tl.max(cur, 0) >= 0):
+        inside = (cur >= 0) & (cur < T)  # an unvalidated parent past T stops (the reference's gather raises)
+        cur = tl.where(cur >= 0, tl.load(parent_ptr + b * T + tl.where(inside, cur, 0), mask=inside, other=-1), cur)
+        depth += (cur >= 0).to(tl.int32)
+        anc = anc | (cols[None, :] == cur[:, None])
+        climbed += 1
+    tl.store(positions_ptr + b * T + rows, seq_len + depth.to(tl.int64), mask=row_ok)
+    tl.store(retrieve_index_ptr + b * T + rows, b * T + rows, mask=row_ok)
+    cell_ok = row_ok[:, None] & col_ok[None, :]
+    if MODE == 0:  # FULL_MASK: tree columns only; the prefix is filled separately
+        row_base = T * T * b + T * tl.load(prefix_ptr + b) + (seq_len + T) * rows + seq_len
+        tl.store(mask_ptr + row_base[:, None] + cols[None, :], anc.to(tl.int8), mask=cell_ok)
+    elif MODE == 1:  # QLEN_ONLY
+        tl.store(mask_ptr + b * T * T + rows[:, None] * T + cols[None, :], anc.to(tl.int8), mask=cell_ok)
+    elif MODE == 2:  # QLEN_ONLY_BITPACKING: one word per row
+        word = tl.sum(tl.where(anc, tl.full([1, BLOCK_T], 1, tl.int64) << cols[None, :].to(tl.int64), 0), 1)
+        tl.store(mask_ptr + b * T + rows, word.to(mask_ptr.dtype.element_ty), mask=row_ok)
+    elif MODE == 3:  # ANCESTOR_BITMASK: WORDS int64 per row
+        for w in tl.static_range(WORDS):
+            in_word = (cols >= 64 * w) & (cols < 64 * w + 64)
+            shift = (cols - 64 * w).to(tl.int64)
+            bits = tl.where(anc & in_word[None, :], tl.full([1, BLOCK_T], 1, tl.int64) << shift[None, :], 0)
+            tl.store(mask_ptr + (b * T + rows) * WORDS + w, tl.sum(bits, 1), mask=row_ok)
+    else:  # PARENT_POINTER: [B, 2, T] int16
+        tl.store(mask_ptr + b * 2 * T + rows, row_parent.to(tl.int16), mask=row_ok)
+        tl.store(mask_ptr + b * 2 * T + T + rows, depth.to(tl.int16), mask=row_ok)
+    # first child of each row node; next sibling = next higher node with the same parent
+    is_child = (col_parent[None, :] == rows[:, None]) & col_ok[None, :]
+    first_child = tl.min(tl.where(is_child, cols[None, :], BLOCK_T), 1)
+    sibling = (col_parent[None, :] == row_parent[:, None]) & (cols[None, :] > rows[:, None]) & col_ok[None, :]
+    sibling = sibling & (rows[:, None] > 0)
+    next_sib = tl.min(tl.where(sibling, cols[None, :], BLOCK_T), 1)
+    tl.store(next_token_ptr + b * T + rows, tl.where(first_child < BLOCK_T, first_child, -1).to(tl.int64), mask=row_ok)
+    tl.store(next_sibling_ptr + b * T + rows, tl.where(next_sib < BLOCK_T, next_sib, -1).to(tl.int64), mask=row_ok)
+    return cur
+
+
+@triton.jit
 def _build_kernel(
     selected_ptr,  # [B, T-1] int64
     parent_list_ptr,  # [B, PW] int64
@@ -147,44 +217,9 @@ def _build_kernel(
     # 2. per row tile: ancestors, depth, mask, positions, links
     for r0 in range(0, BLOCK_T, ROWS):
         rows = r0 + tl.arange(0, ROWS)
-        row_ok = rows < T
-        row_parent = tl.load(parent_ptr + b * T + rows, mask=row_ok, other=-1)
-        anc = (cols[None, :] == rows[:, None]) & col_ok[None, :]
-        depth = tl.zeros([ROWS], dtype=tl.int32)
-        cur = rows.to(tl.int32)
-        for _ in tl.static_range(NUM_STEPS + 1):  # the last climb leaves the root
-            cur = tl.where(cur >= 0, tl.load(parent_ptr + b * T + cur, mask=(cur >= 0) & row_ok, other=-1), cur)
-            depth += (cur >= 0).to(tl.int32)
-            anc = anc | (cols[None, :] == cur[:, None])
-        ok = ok & tl.min(tl.where(row_ok, (cur == -1).to(tl.int32), 1), 0)
-        tl.store(positions_ptr + b * T + rows, seq_len + depth.to(tl.int64), mask=row_ok)
-        tl.store(retrieve_index_ptr + b * T + rows, b * T + rows, mask=row_ok)
-        cell_ok = row_ok[:, None] & col_ok[None, :]
-        if MODE == 0:  # FULL_MASK: tree columns only; the prefix is filled separately
-            row_base = T * T * b + T * tl.load(prefix_ptr + b) + (seq_len + T) * rows + seq_len
-            tl.store(mask_ptr + row_base[:, None] + cols[None, :], anc.to(tl.int8), mask=cell_ok)
-        elif MODE == 1:  # QLEN_ONLY
-            tl.store(mask_ptr + b * T * T + rows[:, None] * T + cols[None, :], anc.to(tl.int8), mask=cell_ok)
-        elif MODE == 2:  # QLEN_ONLY_BITPACKING: one word per row
-            word = tl.sum(tl.where(anc, tl.full([1, BLOCK_T], 1, tl.int64) << cols[None, :].to(tl.int64), 0), 1)
-            tl.store(mask_ptr + b * T + rows, word.to(mask_ptr.dtype.element_ty), mask=row_ok)
-        elif MODE == 3:  # ANCESTOR_BITMASK: WORDS int64 per row
-            for w in tl.static_range(WORDS):
-                in_word = (cols >= 64 * w) & (cols < 64 * w + 64)
-                shift = (cols - 64 * w).to(tl.int64)
-                bits = tl.where(anc & in_word[None, :], tl.full([1, BLOCK_T], 1, tl.int64) << shift[None, :], 0)
-                tl.store(mask_ptr + (b * T + rows) * WORDS + w, tl.sum(bits, 1), mask=row_ok)
-        else:  # PARENT_POINTER: [B, 2, T] int16
-            tl.store(mask_ptr + b * 2 * T + rows, row_parent.to(tl.int16), mask=row_ok)
-            tl.store(mask_ptr + b * 2 * T + T + rows, depth.to(tl.int16), mask=row_ok)
-        # first child of each row node; next sibling = next higher node with the same parent
-        is_child = (col_parent[None, :] == rows[:, None]) & col_ok[None, :]
-        first_child = tl.min(tl.where(is_child, cols[None, :], BLOCK_T), 1)
-        sibling = (col_parent[None, :] == row_parent[:, None]) & (cols[None, :] > rows[:, None]) & col_ok[None, :]
-        sibling = sibling & (rows[:, None] > 0)
-        next_sib = tl.min(tl.where(sibling, cols[None, :], BLOCK_T), 1)
-        tl.store(next_token_ptr + b * T + rows, tl.where(first_child < BLOCK_T, first_child, -1).to(tl.int64), mask=row_ok)
-        tl.store(next_sibling_ptr + b * T + rows, tl.where(next_sib < BLOCK_T, next_sib, -1).to(tl.int64), mask=row_ok)
+        cur = _tree_rows(b, rows, cols, col_parent, parent_ptr, seq_len, prefix_ptr, mask_ptr, positions_ptr,
+                         retrieve_index_ptr, next_token_ptr, next_sibling_ptr, T, NUM_STEPS + 1, MODE, WORDS, BLOCK_T)
+        ok = ok & tl.min(tl.where(rows < T, (cur == -1).to(tl.int32), 1), 0)
     tl.store(ok_ptr + b, ok)
 
 
@@ -236,6 +271,91 @@ def build_tree(selected_index, parent_list, seq_lens, topk, num_steps, mode, seq
         ROWS=min(_ROW_TILE, block_t),
     )
     return TreeBuild(mask, positions, links[0], links[1], links[2]), ok.bool()
+
+
+# -------------------------------------------------------- tree from parents
+
+
+# Not specialized on: T and climbs (one variant per BLOCK_T, whatever the tree size and depth), nor the
+# inputs' alignment (the caller's views; the outputs are fresh allocations): the variants are known at startup.
+@triton.jit(do_not_specialize=["T", "climbs"], do_not_specialize_on_alignment=["parent_ptr", "seq_lens_ptr"])
+def _tree_from_parents_kernel(
+    parent_ptr,  # [B, T] int64
+    seq_lens_ptr,  # [B] int64
+    mask_ptr,  # mode layout, written through an integer view
+    positions_ptr,  # [B, T] int64
+    retrieve_index_ptr,
+    next_token_ptr,
+    next_sibling_ptr,  # [B, T] int64 each
+    T,
+    climbs,
+    MODE: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """``reference``'s tree_from_parents outputs for rows [ROWS * pid(1), + ROWS)
+    of request pid(0): grid (B, cdiv(T, ROWS)), one launch for the batch.
+
+    Inputs (contiguous, row-major):
+      parent_ptr    [B, T] int64   node-local parent, -1 for the root; a parent
+                                   precedes its child (unchecked here)
+      seq_lens_ptr  [B] int64      committed context length
+    Outputs (contiguous, row-major, every element written):
+      mask_ptr      MODE's layout (``modes``) through a signed integer view of
+                    the same bytes: QLEN_ONLY (1) [B, T, T] int8 (bool bytes);
+                    QLEN_ONLY_BITPACKING (2) [B, T] int8 / int16 / int32 (the
+                    uint8 / uint16 / uint32 word); ANCESTOR_BITMASK (3)
+                    [B, T, WORDS] int64, WORDS = ceil(T / 64); PARENT_POINTER
+                    (4) [B, 2, T] int16 (parent, depth). FULL_MASK (0) is not
+                    built from parents.
+      positions_ptr [B, T] int64   seq_lens + depth
+      retrieve_index_ptr, next_token_ptr, next_sibling_ptr  [B, T] int64: b * T + i,
+                                   first child, next sibling (-1: none)
+    T       nodes per tree (runtime: one variant serves every T of a BLOCK_T,
+            the next power of two >= T and >= 16, with the same MODE / WORDS)
+    climbs  reference.ancestor_matrix's max_depth + 1 (runtime): a node deeper
+            than max_depth gets depth max_depth + 1 and misses its upper
+            ancestors, as there; the climb stops early once every row of the
+            tile has left the tree
+    """
+    b = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_T)
+    col_parent = tl.load(parent_ptr + b * T + cols, mask=cols < T, other=-3)
+    _tree_rows(b, rows, cols, col_parent, parent_ptr, tl.load(seq_lens_ptr + b), seq_lens_ptr, mask_ptr,
+               positions_ptr, retrieve_index_ptr, next_token_ptr, next_sibling_ptr, T, climbs, MODE, WORDS, BLOCK_T)
+
+
+def tree_from_parents(parent, seq_lens, mode, max_depth):
+    """``api.tree_from_parents`` in one launch (``_tree_from_parents_kernel``)
+    into fresh tensors (each its own allocation: aligned, so their alignment
+    makes no variant)."""
+    batch, nodes = parent.shape
+    device = parent.device
+    mask = empty_tree_mask(mode, batch, nodes, 0, device)
+    positions, *links = (torch.empty(batch, nodes, dtype=torch.int64, device=device) for _ in range(4))
+    if batch:
+        block_t = _pow2(nodes)
+        rows = min(_ROW_TILE, max(2, 4096 // block_t))  # [rows, BLOCK_T] tiles: no spills on sm_90 up to T = 1024
+        launch(
+            _tree_from_parents_kernel,
+            (batch, triton.cdiv(nodes, rows)),
+            parent.contiguous(),
+            seq_lens.contiguous(),
+            _int_view(mask),
+            positions,
+            links[0],
+            links[1],
+            links[2],
+            nodes,
+            max_depth + 1,
+            MODE=int(mode),
+            WORDS=ancestor_bitmask_words(nodes) if mode == TreeMaskMode.ANCESTOR_BITMASK else 1,  # no variant per T
+            BLOCK_T=block_t,
+            ROWS=rows,
+        )
+    return TreeBuild(mask, positions, links[0], links[1], links[2])
 
 
 # --------------------------------------------------------------------- verify

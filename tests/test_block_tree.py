@@ -11,13 +11,8 @@ parents, BFS order and scores must equal it exactly, for the reference and
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +24,7 @@ import kernel_device  # noqa: F401  (TRITON_INTERPRET without a GPU)
 import spec_tree_kernels as K
 from spec_plugins.tree_drafting import DraftTrees, block_topk, block_trees, chain_counterfactual
 from spec_tree_kernels import TreeMaskMode as M
+from triton_aot import run_compile_script
 
 INF = float("inf")
 
@@ -319,12 +315,7 @@ def test_triton_kernel_compiles_for_sm90():
     float arithmetic is the reference's one add per node (no ftz, nothing to
     fuse), and nothing spills, up to N = 255."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and len(rows) == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = run_compile_script(AOT, 3)
     for row in rows:
         assert row["ops"] == ["add.f32"], row
         assert row.get("local", 0) == 0, row

@@ -29,7 +29,8 @@ def test_reduced_device_check(tmp_path):
     assert "section_errors" not in report, report.get("section_errors")
     triton = report["correctness"]["triton"]
     assert triton["failed"] == 0 and triton["passed"] > 50, triton
-    assert {"select/triton", "build/triton", "verify/triton", "move/triton"} <= set(triton["counts"])
+    assert {"select/triton", "build/triton", "from_parents/triton", "verify/triton", "move/triton"} <= set(
+        triton["counts"])
     assert triton["accepted_draft_tokens"] > 0  # the verify cases accept something
     assert report["bench"]["rows"] and "ours_by_mode" in report["headline"]["eager_us"]
     bench = report["bench"]  # the harness's tree-ops point: every op of both impls, none raising

@@ -530,7 +530,7 @@ def test_warm_up_covers_the_feature_variants_a_layer_launches():
             ctx = torch.tensor([rng.randint(0, longest) for _ in range(batch - 1)] + [longest], device=DEVICE)
             parents = torch.tensor([[-1] + [rng.randrange(i) for i in range(1, nodes)] for _ in range(batch)],
                                    device=DEVICE)
-            mask = tree_from_parents(parents, ctx, config.mode).tree_mask
+            mask = tree_from_parents(parents, ctx, config.mode, impl="torch").tree_mask  # the ops serve on torch
             rows = torch.randn(batch * nodes + 2, 4 * 32 + 3, device=DEVICE)
             q = rows[1: 1 + batch * nodes, : 4 * 32].view(batch, nodes, 4, 32)
             plan = TreeAttentionPlan.create(table[:batch], ctx, mask, config.mode, nodes, 16, int(ctx.max()),

@@ -6,12 +6,7 @@ exact but slow, so each example is a large batch of random trees.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +19,7 @@ from pools import FLAVORS, random_batch
 from spec_tree_kernels import TreeMaskMode as M
 from test_tree_ops import one_storage_listed_twice, paged_caches, random_tokens_with_real_acceptance, slot_rows
 from test_tree_sampling import degenerate_sampling_batch, random_sampling_batch, rejected_everywhere_batch
+from triton_aot import run_compile_script
 
 IMPLS = ["triton"] + (["cuda"] if DEVICE == "cuda" and K.api.cuda_usable(torch.device("cuda")) else [])
 
@@ -196,13 +192,7 @@ def test_verify_sampling_compiles_with_ieee_float_ops():
     div.full.f32), no flush-to-zero and no fused multiply-add: the float ops
     the reference does, so the GPU equals it bit for bit."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    tests = Path(__file__).parent
-    env["PYTHONPATH"] = os.pathsep.join([str(tests), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", SAMPLING_AOT], env=env, capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and len(rows) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = run_compile_script(SAMPLING_AOT, 2)
     for row in rows:
         bits = "64" if "float64" in row["dtype"] else "32"
         assert f"div.rn.f{bits}" in row["ops"], row

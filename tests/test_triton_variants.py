@@ -132,6 +132,8 @@ def test_enumeration_has_every_tree_size_and_menu_shape():
     assert sorted((c["TOPK"], c["NUM_STEPS"], c["NUM_SEL"] + 1) for c in by_kernel["_select_kernel"]) == [
         (2, 3, 7), (4, 5, 8)]
     assert "_move_kv_kernel" not in by_kernel  # no caches given: nothing to move
+    # the tree build does not specialize on T or the depth: one variant per block of nodes (16 covers 2..16)
+    assert by_kernel["_tree_from_parents_kernel"] == [dict(MODE=3, WORDS=1, BLOCK_T=16, ROWS=16)]
 
 
 def test_nothing_is_warmed_where_nothing_runs_triton(monkeypatch):
@@ -194,7 +196,8 @@ def serve_like_an_engine(config: ServingConfig, layer: AttentionLayer, caches, s
         plan = TreeAttentionPlan.create(table, ctx, mask, config.mode, nodes, block_size, int(ctx.max()),
                                         impl="triton")
         plan.run(q, layer.k_cache, layer.v_cache)
-        links = K.tree_from_parents(parents, ctx, config.mode)
+        links = K.tree_from_parents(parents, ctx, config.mode, max_depth=nodes - 1, validate=False,
+                                    impl="triton")  # as vLLM's V2 runner
         cands = torch.randint(0, config.vocab_size, (batch, nodes), device=DEVICE)
         greedy = K.verify_tree_greedy(cands, links.retrieve_next_token, links.retrieve_next_sibling, cands,
                                       config.verify_depth, impl="triton")
@@ -227,7 +230,8 @@ def test_serving_launches_only_warmed_variants():
     assert not missing, "served but not warmed: " + ", ".join(sorted(map(str, missing)))
     kernels = {v.kernel for v in served}
     assert {"_tree_attention_kernel", "_tree_attention_split_kernel", "_tree_attention_merge_kernel",
-            "_verify_kernel", "_verify_sampling_kernel", "_move_kv_kernel", "_select_kernel"} <= kernels
+            "_verify_kernel", "_verify_sampling_kernel", "_move_kv_kernel", "_select_kernel",
+            "_tree_from_parents_kernel"} <= kernels
 
 
 def serve_draft_steps_like_the_drafter(config: ServingConfig, layer: AttentionLayer, steps: int, seed: int = 0):

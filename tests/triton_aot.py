@@ -62,6 +62,20 @@ def compile_launch(jitfn, grid, args, kwargs, target):
     return triton.compile(ASTSource(jitfn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+def run_compile_script(script: str, expected_rows: int) -> list[dict]:
+    """Run ``script``, which compiles launches (``compile_launch``) and prints
+    one JSON row each, in a child without TRITON_INTERPRET (the real compiler;
+    tests/ on its path). Returns the rows; raises AssertionError with the
+    child's output unless it exited 0 with ``expected_rows`` rows."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and len(rows) == expected_rows, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return rows
+
+
 def resource_usage(cubin: bytes) -> dict:
     import triton
 

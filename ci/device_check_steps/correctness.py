@@ -3,7 +3,8 @@ reference on the same device tensors, op by op, byte for byte.
 
 A case is (topk, num_steps, T, pool flavor) x batch: a random SGLang-shaped
 draft pool, its selection, every mask mode's build (FULL_MASK with and
-without prefix fill; open selections too), greedy verify with real
+without prefix fill; open selections too) and the compact modes' build from
+parents, greedy verify with real
 acceptance, sampled verify (float32 and float64 distributions) and the KV
 move over several paged-cache layouts.
 """
@@ -95,6 +96,8 @@ def check_case(tally: Tally, impls, case: tuple, batch: int, reduced: bool, devi
         tally.add("select/triton", same(got.cpu(), c.t["selected"]), **c.label)
     if "build" in ops:
         check_build(tally, c, mods, impls)
+        if "triton" in impls:
+            check_from_parents(tally, c, mods)
     tree, _ = mods["torch"].build_tree(c.selected, c.parent_list, c.seq_lens, c.topk, c.num_steps, M.QLEN_ONLY,
                                        c.seq_lens_sum)  # fmt: skip
     candidates, target = (x.to(device) for x in tokens_with_acceptance(c.t["selected"], c.t["parent_list"], c.topk, c.t["gen"]))
@@ -143,6 +146,23 @@ def check_build(tally: Tally, c: Case, mods: dict, impls) -> None:
                 bad.append("ok")
             detail = {f: first_diff(getattr(got, f), getattr(want, f)) for f in bad if f != "ok"}
             tally.add(f"build/{impl}", not bad, mode=mode.name, fill=fill, selection=kind, fields=bad, diff=detail,
+                      **c.label)  # fmt: skip
+
+
+def check_from_parents(tally: Tally, c: Case, mods: dict) -> None:
+    """``tree_from_parents`` (vLLM V2's build) of the closed selection's trees,
+    every compact mode T fits, climbing T - 1 levels as the runner does and one
+    level short of the deepest node; Triton only ("cuda" runs the same kernel)."""
+    parent = K.node_parents(c.selected, c.parent_list, c.topk, validate=False)  # closed by construction
+    for mode in M:
+        if mode == M.FULL_MASK or (mode == M.QLEN_ONLY_BITPACKING and c.nodes > 32):
+            continue
+        for max_depth in sorted({c.nodes - 1, max(min(c.num_steps, c.nodes - 1) - 1, 0)}):
+            want = mods["torch"].tree_from_parents(parent, c.seq_lens, mode, max_depth)
+            got = mods["triton"].tree_from_parents(parent, c.seq_lens, mode, max_depth)
+            bad = [f for f in want._fields if not same(getattr(got, f), getattr(want, f))]
+            detail = {f: first_diff(getattr(got, f), getattr(want, f)) for f in bad}
+            tally.add("from_parents/triton", not bad, mode=mode.name, max_depth=max_depth, fields=bad, diff=detail,
                       **c.label)  # fmt: skip
 
 

@@ -201,7 +201,7 @@ class UniformTrees:
 
         chains = torch.arange(-1, nodes - 1, device=device).expand(max_num_reqs, nodes)
         masks = stk.tree_from_parents(chains, torch.zeros(max_num_reqs, dtype=torch.int64, device=device), mode,
-                                      max_depth=nodes - 1, validate=False).tree_mask
+                                      max_depth=nodes - 1, validate=False, impl="torch").tree_mask  # once
         return cls(mode=mode, nodes=nodes, mask=masks.reshape(max_num_reqs, -1).clone())
 
     def batch_mask(self, batch: int) -> torch.Tensor:

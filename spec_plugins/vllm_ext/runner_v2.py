@@ -314,7 +314,7 @@ class TreeRunnerV2Mixin:
         context_lens = input_batch.positions[q_starts].to(torch.int64)  # the roots' positions (V2's, linear)
         parents = self.speculator.tree_parents[input_batch.idx_mapping[:R], :nodes]
         build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode, max_depth=nodes - 1,
-                                      validate=False)
+                                      validate=False, impl=self.tree_impl)
         self.uniform_trees.write(build.tree_mask, R)
         self.tree_stats.uniform_steps += 1
         input_batch.positions[: R * nodes] = build.positions.flatten().to(input_batch.positions.dtype)
@@ -334,8 +334,8 @@ class TreeRunnerV2Mixin:
             build = stk.TreeBuild(*(None if f is None else f[rows] for f in uniform_build._replace(tree_mask=None)))
         else:
             parents = self.speculator.tree_parents[input_batch.idx_mapping[rows], :nodes]
-            build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode,
-                                          max_depth=nodes - 1, validate=False)  # trees by construction: no sync
+            build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode, max_depth=nodes - 1,
+                                          validate=False, impl=self.tree_impl)  # trees by construction: no sync
             input_batch.positions[rows_of_nodes.flatten()] = build.positions.flatten().to(
                 input_batch.positions.dtype)
         candidates = input_batch.input_ids[rows_of_nodes].to(torch.int64)

@@ -47,7 +47,8 @@ SHAPE = {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}
 TOKEN_BUDGET = 20  # < 4 requests x 8 tree tokens: the scheduler cuts drafts
 SERVED_KERNELS = {"_tree_attention_kernel", "_tree_attention_split_kernel", "_tree_attention_merge_kernel",
                   "_branch_attention_kernel",
-                  "_select_kernel", "_verify_kernel", "_verify_sampling_kernel", "_move_kv_kernel"}
+                  "_select_kernel", "_tree_from_parents_kernel", "_verify_kernel", "_verify_sampling_kernel",
+                  "_move_kv_kernel"}
 
 
 @pytest.fixture(scope="module")
