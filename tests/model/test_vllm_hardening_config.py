@@ -385,6 +385,7 @@ def test_adaptive_budget_on_the_v2_runner_is_refused_at_config_time(monkeypatch)
     (("parallel_config", "enable_dbo", True), "enable_dbo"),
     ((None, "watermark_config", object()), "watermark_config"),
     ((None, "kv_transfer_config", object()), "kv_transfer_config"),
+    (("model_config", "return_sampling_mask", True), "return_sampling_mask"),
 ])
 def test_v2_only_options_are_refused_on_the_v2_runner(field, needle):
     """V2 options that move the step's plan where the V2 tree runner does not
@@ -397,7 +398,8 @@ def test_v2_only_options_are_refused_on_the_v2_runner(field, needle):
     section, name, value = field
     config = SimpleNamespace(speculative_config=SimpleNamespace(enable_adaptive_verification=False),
                              parallel_config=SimpleNamespace(enable_batch_sharded_sampling=None, enable_dbo=False),
-                             watermark_config=None, kv_transfer_config=None)
+                             watermark_config=None, kv_transfer_config=None,
+                             model_config=SimpleNamespace(return_sampling_mask=False))
     settings = tc.parse_tree_settings(TREE["spec_tree"])
     tc.check_v2_runner_options(config, settings)  # nothing set: served
     setattr(getattr(config, section) if section else config, name, value)
