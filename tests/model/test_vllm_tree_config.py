@@ -302,7 +302,7 @@ def test_register_is_idempotent():
 
 def test_paths_from_emitted_walks_the_tree_by_token():
     """The budget's host paths come from the emitted tokens vLLM already read (no device read)."""
-    from spec_plugins.vllm_ext.runner import paths_from_emitted
+    from spec_plugins.vllm_ext.step_bookkeeping import paths_from_emitted
 
     tokens, parents = [100, 5, 6, 7, 8], [-1, 0, 0, 1, 2]
     assert paths_from_emitted(tokens, parents, [9]) == [0]  # the root's children all rejected: bonus only
@@ -316,7 +316,7 @@ def test_tree_rows_view_or_gather():
     one range in order (no copy), the same values by gather otherwise."""
     import numpy as np
 
-    from spec_plugins.vllm_ext.runner import tree_rows
+    from spec_plugins.vllm_ext.tree_groups import tree_rows
 
     x = torch.arange(40.0).view(20, 2)
     in_order = tree_rows(x, np.array([3, 6, 9]), 3)
