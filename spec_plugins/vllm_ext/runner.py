@@ -62,7 +62,6 @@ from .requests import install_full_logitsprocs, may_speculate
 from .startup_checks import check_at_startup, warm_tree_kernels
 from .step_bookkeeping import StepBookkeeping, TreeStats
 from .tree_groups import TreeGroup, plan_tree_group, upload
-from .tree_groups import range_start  # noqa: F401  (runner_v2 imports it from here)
 from .verify import chain_walks, walk_trees
 
 

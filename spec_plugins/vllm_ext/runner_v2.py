@@ -70,7 +70,8 @@ from .attention import (UniformStep, UniformTrees, VerifyTrees, check_tree_atten
 from .config import TreeConfigError, settings_from_vllm_config
 from .proposer import check_head_fits_target, check_loaded_head, share_tied_lm_head
 from .requests import params_allow_speculation
-from .runner import TreeStats
+from .step_bookkeeping import TreeStats
+from .tree_groups import range_start
 from .startup_checks import check_at_startup, warm_tree_kernels
 
 NO_TREE, GREEDY, SAMPLED = 0, 1, 2  # how a request's drafts are verified
@@ -347,8 +348,6 @@ class TreeRunnerV2Mixin:
                            sampled_np=sampled_np)
 
     def _publish(self, input_batch, groups: dict, covers_batch: bool) -> None:
-        from .runner import range_start
-
         max_context = int(input_batch.seq_lens_cpu_upper_bound[: input_batch.num_reqs].max())
         publish_verify_trees(VerifyTrees(
             mode=self.tree_settings.mask_mode,
