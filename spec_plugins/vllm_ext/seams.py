@@ -244,7 +244,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(GMR, "propose_draft_token_ids", "method", "scheduler_output, sampled_token_ids, sampling_metadata, "
          "hidden_states, sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata, "
          "slot_mappings", "replaced: the tree proposer drafts"),
-    # --- the runner: state it reads (runner.py) -----------------------------------------------------------------
+    # --- the runner: state it reads (runner.py, tree_groups.py, step_bookkeeping.py) ----------------------------
     *(Seam(GMR, a, "attr", why="read by the tree runner") for a in (
         "vllm_config", "device", "model", "uses_mrope", "positions", "query_start_loc", "input_batch",
         "discard_request_mask", "requests", "rejection_sampler", "sampler", "drafter", "kv_cache_config",
@@ -287,7 +287,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups", "field", why="layers per KV group"),
     Seam("vllm.v1.kv_cache_interface:KVCacheGroupSpec", "layer_names", "field", why="target vs draft layers"),
     Seam("vllm.config:CompilationConfig", "static_forward_context", "field", why="attention layers and KV caches"),
-    # --- sampling (runner.py _sample) ---------------------------------------------------------------------------
+    # --- sampling (verify.py, sampling.py) ----------------------------------------------------------------------
     Seam("vllm.v1.sample.sampler:Sampler", "forward", "method", "logits, sampling_metadata, ...",
          "tree steps: each request's last row (a request without a tree: its token)"),
     Seam("vllm.v1.sample.sampler:Sampler", "compute_logprobs", "method", "logits", "logprobs of tree steps"),
