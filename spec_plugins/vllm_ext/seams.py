@@ -113,7 +113,7 @@ SEAMS: tuple[Seam, ...] = (
     # --- the built config (config.validate_vllm_config, proposer.for_vllm) -------------------------------------
     Seam("vllm.config:VllmConfig", "additional_config", "field", why="where spec_tree settings live", stage=REG),
     Seam("vllm.config:SpeculativeConfig", "num_speculative_tokens", "field", why="must stay T - 1", stage=REG),
-    Seam("vllm.config:VllmConfig", "use_v2_model_runner", "attr", why="budget='auto' refused on the V2 runner",
+    Seam("vllm.config:VllmConfig", "use_v2_model_runner", "attr", why="the V2 refusals (config.V2_REFUSALS) apply",
          stage=REG),
     *(Seam(owner, name, "field", why="refused on the V2 tree runner (config.V2_REFUSALS)", stage=REG)
       for owner, name in (("vllm.config:SpeculativeConfig", "enable_adaptive_verification"),
@@ -178,6 +178,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam(V2, "prepare_attn", "method", "input_batch", "after V2's (slots from linear positions): the step's trees",
          platform="cpu"),
     Seam(V2, "execute_model", "method", "scheduler_output, ...", "the last step's trees withdrawn", platform="cpu"),
+    Seam(V2, "sample_tokens", "method", "grammar_output", "the adaptive budget keeps the step's output",
+         platform="cpu"),
+    *(Seam("vllm.v1.worker.gpu.async_utils:AsyncOutput", a, "attr", platform="cpu",
+           why="the adaptive budget reads num_sampled once V2's own copy to the host has landed")
+      for a in ("num_sampled_tokens_np", "copy_event")),
     *(Seam(V2, a, "attr", why="read or replaced by the V2 tree runner", platform="cpu") for a in (
         "speculator", "rejection_sampler", "req_states", "block_tables", "max_num_reqs", "kv_cache_config",
         "compilation_config", "vllm_config", "device", "cache_config")),
