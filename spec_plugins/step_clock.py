@@ -28,6 +28,11 @@ class StepClock:
             return event
         return time.perf_counter()
 
+    def ready(self, mark) -> bool:
+        """Whether the device has passed ``mark`` (a non-blocking query: readers that
+        must never wait, V2's budget, call ``seconds`` only once it is)."""
+        return mark.query() if self.cuda else True
+
     def seconds(self, start, end) -> float:
         """Device time between two marks. On CUDA ``end`` must have completed
         (it is waited for here: free once the step's host read has returned)."""

@@ -377,6 +377,26 @@ def test_policy_without_costs_starts_with_plain_decode_and_learns():
     assert policy.step(4) is not None
 
 
+def test_verify_width_gives_every_entry_one_verify_cost():
+    """vLLM's Model Runner V2 verifies the same T slots whatever the entry
+    (``verify_width``): entries differ in draft time and tau only, no
+    speculation's baseline is t_V(W, B), and records file every verify time there."""
+    policy = BudgetPolicy(MENU, verify_width=8)
+    assert policy.step(2) is None  # nothing measured: the baseline first
+    policy.record(None, 2, 0.1)
+    assert policy.costs.observed(8, 2) and not policy.costs.observed(1, 2)
+    # every entry pays t_V(8, 2) = 0.1: with the 10 % per-level draft estimate and prior tau, speculation wins
+    assert policy.step(2) is not None
+    for shape, seconds in ((C3, 0.01), (C5, 0.02), (T548, 0.06)):
+        policy.record(shape, 2, 0.1, seconds, [shape.max_depth] * 2)
+    assert policy.costs.observations(8, 2) == 4 and not policy.costs.observed(4, 2)
+    rates = policy.rates(2)
+    assert rates["none"] == pytest.approx(2 / 0.1)
+    assert rates["3,1,4"] == pytest.approx(2 * policy.acceptance.tau(C3) / 0.11)
+    with pytest.raises(ValueError, match="verify_width"):
+        BudgetPolicy(MENU, verify_width=0)
+
+
 # ------------------------------------------------------------- simulation
 
 # A synthetic, CPU-like world (made-up numbers, not measurements): a plain

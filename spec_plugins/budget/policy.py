@@ -20,6 +20,11 @@ The rule (``choose_shape``)
     do not alternate. Exact ties go to the earlier menu entry; ``parse_menu``
     puts ``None`` first, so a tie means no speculation.
 
+    With ``verify_width=W`` (vLLM's Model Runner V2, whose scheduler gives
+    every request the same draft slots whatever the runner drafts) every
+    entry's verify term is t_V(W, B), no speculation's included: the
+    entries then differ in d(shape, B) and tau only.
+
 Beyond the rate (``BudgetPolicy``)
     * The baseline first: at a batch size where plain decode's t_V(1, B) has
       no online measurement, the policy runs no speculation (one step), so
@@ -115,6 +120,11 @@ class BudgetPolicy:
     baseline the policy must not lose to). costs: a CostTable (default empty:
     the policy runs no speculation until a verify time is recorded, then
     estimates the rest from it). acceptance: default ``AcceptanceStats(menu)``.
+    verify_width: None (each entry verifies its own T tokens per request: T = 1
+    for no speculation) or the one T every entry's verify forward runs (vLLM's
+    Model Runner V2 schedules the same draft slots whatever the shape: the
+    entries then differ in draft cost and acceptance only, and their verify
+    costs are all t_V(verify_width, B)).
     Knobs: hysteresis, explore_bonus, explore_until, explore_every,
     stale_after, explore_floor, cost_bonus (module docstring). ``explorations`` counts the steps whose
     entry was not the best by expected rate (optimism or a stale re-check);
@@ -126,7 +136,7 @@ class BudgetPolicy:
     def __init__(self, menu, costs: Optional[CostTable] = None, *, acceptance: Optional[AcceptanceStats] = None,
                  hysteresis: float = 0.03, explore_every: int = 16, explore_bonus: float = 0.5,
                  stale_after: int = 256, explore_floor: float = 0.8, explore_until: float = 60.0,
-                 cost_bonus: float = 1.0):
+                 cost_bonus: float = 1.0, verify_width: Optional[int] = None):
         self.menu: tuple[Shape, ...] = parse_menu(menu if isinstance(menu, str) else list(menu))
         self.costs = costs if costs is not None else CostTable()
         self.acceptance = acceptance if acceptance is not None else AcceptanceStats(self.menu)
@@ -142,7 +152,8 @@ class BudgetPolicy:
         self.explore_until = float(explore_until)
         self.cost_bonus = float(cost_bonus)
         self._index = {s: i for i, s in enumerate(self.menu)}
-        self._entries = [(s, verify_tokens(s), 0 if s is None else s.max_depth,
+        self.verify_width = None if verify_width is None else check_key("verify_width", verify_width)
+        self._entries = [(s, self.verify_width or verify_tokens(s), 0 if s is None else s.max_depth,
                           None if s is None else self.acceptance.shapes.index(s)) for s in self.menu]
         self._lift_depth = self._optimism_depths()
         self._t = 0
@@ -167,8 +178,7 @@ class BudgetPolicy:
 
     def rates(self, batch_size: int) -> dict[str, float]:
         """Expected tokens/s of every entry now ({label: rate}, for logs)."""
-        return dict(zip(map(shape_label, self.menu),
-                        expected_rates(self.menu, self.costs, self.acceptance, batch_size)))
+        return dict(zip(map(shape_label, self.menu), self._rates_now(batch_size)[0]))
 
     def _rates_now(self, B: int) -> tuple[list[float], list[float]]:
         """(expected, optimistic) tokens/s of every entry at batch size B."""
@@ -214,7 +224,7 @@ class BudgetPolicy:
             return self.menu[choice]
         self.last_rates = rates
         self._incumbent = choice = _pick(optimistic, self._incumbent, self.hysteresis)
-        if not self.costs.observed(1, batch_size):
+        if not self.costs.observed(self._entries[self._index[None]][1], batch_size):
             # the baseline's cost at a new batch size is measured, not trusted to the profile
             choice = self._index[None]
         elif self.explore_every and t % self.explore_every == 0:
@@ -245,7 +255,7 @@ class BudgetPolicy:
         if draft_seconds is not None:
             draft_seconds = check_seconds("draft_seconds", draft_seconds, allow_zero=True)
         self.acceptance.record(shape, accepted_lengths, chain_lengths, chain_censored)
-        self.costs.observe_verify(verify_tokens(shape), batch_size, verify_seconds)
+        self.costs.observe_verify(self._entries[self._index[shape]][1], batch_size, verify_seconds)
         if shape is not None and draft_seconds is not None:
             self.costs.observe_draft(shape, batch_size, draft_seconds)
 

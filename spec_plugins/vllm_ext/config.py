@@ -527,9 +527,6 @@ def check_runner_options(vllm_config, settings: TreeSettings) -> None:
 
 def check_v2_runner_options(vllm_config, settings: TreeSettings) -> None:
     """What the V2 tree runner (``runner_v2.py``) does not serve, refused by name."""
-    if settings.menu:
-        raise TreeConfigError("spec_tree budget='auto' is not served on vLLM's V2 model runner yet "
-                              "(VLLM_USE_V2_MODEL_RUNNER=1): use a fixed tree shape, or the V1 runner")
     for what, value, why in V2_REFUSALS:
         if value(vllm_config):
             raise TreeConfigError(f"{what} is not supported with spec_tree on vLLM's V2 model runner ({why})")

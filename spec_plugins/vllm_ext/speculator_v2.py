@@ -8,7 +8,9 @@ scores, branch KV in a scratch tensor, the tie-safe ancestor-closed
 selection) draft a tree of T - 1 nodes per request. Its tokens go back to V2
 as the request's drafts; its parents stay here, on the device
 (``tree_parents``, indexed like V2's request states), for the next step's
-tree build.
+tree build. With the adaptive budget the tree is the entry the runner's
+budget chose (None: the root alone), padded to V2's T slots
+(``tree_nodes``: how many nodes were drafted; ``budget_v2``).
 
 Before the prefill, a step that verified trees is turned into the step of
 chains that accepted the same paths (``_commit_walk``): the accepted nodes'
@@ -21,6 +23,7 @@ run unchanged, under causal attention.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import spec_tree_kernels as stk
 from vllm.config.compilation import CUDAGraphMode
@@ -28,6 +31,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import prepare_prefill_inputs
 
+from spec_plugins.budget import verify_tokens
 from spec_plugins.tree_commit import linear_positions, path_order
 
 from .attention import publish_verify_trees
@@ -60,6 +64,9 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
         T = runner.tree_settings.shape.num_draft_tokens
         # [max_num_reqs, T] node-local parent of every node of each request's last tree (-1: the root)
         self.tree_parents = torch.full((self.max_num_reqs, T), -1, dtype=torch.int64, device=device)
+        # [max_num_reqs] nodes of each request's last tree that were drafted (adaptive budget: the
+        # chosen entry's T, 1 for no speculation); the rest of its T slots is padding no walk reaches
+        self.tree_nodes = torch.full((self.max_num_reqs,), T, dtype=torch.int64, device=device)
         self.tree_drafter: V2TreeDrafter | None = None
 
     def load_draft_model(self, target_model, target_attn_layer_names):
@@ -90,6 +97,7 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
                                    skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
                                    is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
         num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
+        shape = self.tree_runner.draft_shape(input_batch)  # host: the fixed shape or the budget's choice
         features = self.tree_drafter.features(last_hidden_states, aux_hidden_states)
         step = self.tree_runner.tree_step
         publish_verify_trees(None)  # the head runs causal over the (gathered) rows
@@ -108,10 +116,16 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
         if num_speculative_tokens == 0:  # vLLM skips this step's drafts (V2 sets them to -1): the head's KV is kept
             return self.draft_tokens[:num_reqs]
         last_rows = self.last_token_indices[:num_reqs]
-        trees = self._draft(input_batch, h_logits[last_rows], h_next[last_rows],
-                            self.input_buffers.positions[last_rows] + 1)
-        self.tree_parents[input_batch.idx_mapping] = trees.parents
-        self.draft_tokens[:num_reqs] = trees.tokens
+        budget = self.tree_runner.budget
+        if budget is not None:
+            budget.levels_begin()
+        tokens, parents = self._draft(input_batch, h_logits[last_rows], h_next[last_rows],
+                                      self.input_buffers.positions[last_rows] + 1, shape)
+        self.tree_parents[input_batch.idx_mapping] = parents
+        self.draft_tokens[:num_reqs] = tokens
+        if budget is not None:
+            self.tree_nodes.index_fill_(0, input_batch.idx_mapping.to(torch.int64), verify_tokens(shape))
+            budget.levels_end()
         return self.draft_tokens[:num_reqs]
 
     # -------------------------------------------------------------- the steps
@@ -132,14 +146,27 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
         input_batch.input_ids[: features.shape[0]] = input_batch.input_ids[source]
         return features[source]
 
-    def _draft(self, input_batch, last_hidden, next_hidden, kv_lens) -> "stk.TreeBuild":
-        """Trees of the configured shape for every request of the batch."""
-        R = input_batch.num_reqs
+    def _draft(self, input_batch, last_hidden, next_hidden, kv_lens, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """Trees of ``shape`` (None: the root alone, no draft levels) for every
+        request of the batch, padded to the T slots V2 schedules: (tokens
+        [R, T - 1], parents [R, T]). Padding nodes hang off the root with token
+        0 (any id the target's forward takes); the step that verifies them
+        masks them out of the walk (``tree_nodes``)."""
+        R, T = input_batch.num_reqs, self.tree_parents.shape[1]
+        if shape is None:
+            tokens = torch.zeros(R, T - 1, dtype=torch.int64, device=self.device)
+            parents = torch.zeros(R, T, dtype=torch.int64, device=self.device)
+            parents[:, 0] = -1
+            return tokens, parents
         gid = next(i for i, g in enumerate(self.kv_cache_config.kv_cache_groups)
                    if self.tree_drafter.layer_name in g.layer_names)
         block_rows = self.block_tables.input_block_tables[gid][:R]
         max_kv_len = int(input_batch.seq_lens_cpu_upper_bound[:R].max())
         layer = self.tree_runner.compilation_config.static_forward_context[self.tree_drafter.layer_name]
         kv = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-        return self.tree_drafter.draft(last_hidden, next_hidden, kv_lens.to(torch.int64), max_kv_len, block_rows,
-                                       layer.impl.kv_views(layer, kv))
+        trees = self.tree_drafter.draft(last_hidden, next_hidden, kv_lens.to(torch.int64), max_kv_len, block_rows,
+                                        layer.impl.kv_views(layer, kv), shape)
+        pad = T - trees.parents.shape[1]
+        if pad == 0:
+            return trees.tokens, trees.parents
+        return F.pad(trees.tokens, (0, pad)), F.pad(trees.parents, (0, pad))  # padding: token 0, parent 0 (the root)

@@ -362,21 +362,22 @@ def test_tree_engines_accept_min_p_and_logit_bias_requests_other_engines_keep_vl
 # ------------------------------------------------- issue #49: the adaptive budget on Model Runner V2
 
 
-def test_adaptive_budget_on_the_v2_runner_is_refused_at_config_time(monkeypatch):
-    """The V2 tree runner serves fixed shapes only: budget='auto' is refused when
-    vLLM's config says it will build the V2 runner, before any weight loads."""
+def test_adaptive_budget_is_accepted_on_both_runners_at_config_time(monkeypatch):
+    """budget='auto' is served on the V2 tree runner too (``budget_v2.py``; end to
+    end in test_vllm_tree_v2.py): vLLM's config builds with it whichever runner
+    vLLM will use, and V2 still gets the menu's largest tree's draft slots."""
     import vllm.config.vllm as vllm_config_module
 
     budget = {"spec_tree": {"budget": "auto", "menu": "none 3,1,4 5,4,8"}}
     # vLLM-CPU refuses V2 without Triton's CPU backend (this process has none; tests/model/v2_child.py
     # runs real V2 engines with a stand-in): say Triton is there, as it is where V2 runs
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(tc.TreeConfigError, match=r"budget='auto' is not served on vLLM's V2 model runner"):
-        engine_config(str(ensure_converted()), speculative_config=EAGLE3, additional_config=budget)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    config = engine_config(str(ensure_converted()), speculative_config=EAGLE3, additional_config=budget)
-    assert config.additional_config["spec_tree"]["budget"] == "auto"
+    for v2 in (True, False):
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", str(int(v2)))
+        config = engine_config(str(ensure_converted()), speculative_config=EAGLE3, additional_config=budget)
+        assert config.use_v2_model_runner == v2
+        assert config.additional_config["spec_tree"]["budget"] == "auto"
+        assert config.speculative_config.num_speculative_tokens == 7
 
 
 @pytest.mark.parametrize("field, needle", [

