@@ -40,7 +40,7 @@ class TreeFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     (``CompilationConfig.resolve_cudagraph_mode_and_sizes``) keeps its default
     FULL_AND_PIECEWISE, and mixed batches run piecewise, attention eager
     between the graph pieces. V1's tree runner publishes every step's trees:
-    it runs PIECEWISE only (``config.check_runner_options``).
+    it runs PIECEWISE only (``runner_choice.check_runner_options``).
     """
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH

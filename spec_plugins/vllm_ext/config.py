@@ -25,6 +25,8 @@ from spec_tree_kernels import TreeShape
 from spec_tree_kernels.head_kinds import VLLM_METHODS, head_kind
 from spec_tree_kernels.modes import TREE_ATTENTION_MODE_NAMES
 
+from .errors import TreeConfigError
+
 SPEC_TREE_KEY = "spec_tree"
 CLI_ALGORITHM = "EAGLE_TREE"
 # SGLang's defaults for Llama targets (speculative_hook.py): a (5, 4, 8) tree.
@@ -36,10 +38,6 @@ ALLOWED_MASK_MODES = TREE_ATTENTION_MODE_NAMES  # what tree attention reads (spe
 UNQUANTIZED_KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 CPU_WORKER = "spec_plugins.vllm_ext.worker_cpu.TreeCPUWorker"
 GPU_WORKER = "spec_plugins.vllm_ext.worker_gpu.TreeGPUWorker"
-
-
-class TreeConfigError(ValueError):
-    """A tree setting vLLM cannot serve; the message names the option."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +197,7 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     is given, reconciles num_speculative_tokens with the tree (see
     ``settings_with_spec_tokens``) and then sets it to T - 1 (the draft slots
     vLLM verifies), sets the tree worker class (and async scheduling off when
-    vLLM will build its V1 runner: ``expects_v2_runner``);
+    vLLM will build its V1 runner: ``runner_choice.expects_v2_runner``);
     refuses what the tree cannot serve. Idempotent. Returns None (and changes
     nothing) when spec_tree is not requested.
     """
@@ -224,6 +222,8 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
             "the proposer per-request token lists the tree proposer does not read); leave it unset")
     spec["num_speculative_tokens"] = settings.num_spec_tokens
     engine_args.speculative_config = spec
+    from .runner_choice import V1_ASYNC_WHY, expects_v2_runner, prepare_gpu_engine_args
+
     if not expects_v2_runner():
         if getattr(engine_args, "async_scheduling", None):
             raise TreeConfigError(f"async_scheduling=True is not supported with spec_tree on vLLM's V1 model runner "
@@ -337,81 +337,6 @@ def check_tensor_parallel_heads(tp_size: int, head_cfg, target_cfg, head_folder)
                               f"vocabulary ({draft_vocab}, {padded} padded): vLLM cannot shard its lm_head")
 
 
-V1_ASYNC_WHY = ("vLLM then schedules each step before the last step's drafts reach the host, with placeholder "
-                "draft tokens; the V1 tree runner plans a step's tree attention from the drafted trees on the host")
-
-
-def expects_v2_runner() -> bool:
-    """The model runner vLLM will build, decided as ``VllmConfig.use_v2_model_runner``
-    decides it before it reads the config's features: VLLM_USE_V2_MODEL_RUNNER
-    when set, else V2 where Triton runs (vLLM 0.33 on CUDA; vLLM-CPU only with
-    Triton's CPU backend). Tree mode follows vLLM's choice: on V2 its step reads
-    no host-side tree state, so async scheduling stays vLLM's to decide; on V1
-    it is turned off. ``validate_vllm_config`` checks the choice vLLM made."""
-    from vllm import envs
-    from vllm.triton_utils import HAS_TRITON
-
-    forced = envs.VLLM_USE_V2_MODEL_RUNNER
-    return bool(HAS_TRITON) if forced is None else bool(forced)
-
-
-def prepare_gpu_engine_args(engine_args) -> None:
-    """CUDA only (vLLM 0.33; written against the source, not executed here)."""
-    from vllm.config import CUDAGraphMode
-
-    engine_args.attention_backend = tree_backend(getattr(engine_args, "attention_backend", None),
-                                                 "attention_backend")
-    # vLLM builds the head's config apart (LLMBaseProposer._create_draft_vllm_config) with the
-    # backend reset to speculative_config.attention_backend: unset, the selector would give the
-    # head FlashAttention, which neither computes the head's tree rows nor reads BranchAttention.
-    spec = dict(engine_args.speculative_config or {})
-    spec["attention_backend"] = tree_backend(spec.get("attention_backend"), "speculative_config attention_backend")
-    engine_args.speculative_config = spec
-    # CUDA graphs: on V2 vLLM's own resolution decides (the tree backend declares
-    # UNIFORM_BATCH: attention_gpu.TreeFlashAttentionMetadataBuilder), its default
-    # FULL_AND_PIECEWISE included. The V1 tree runner publishes each step's trees
-    # to attention's eager forward: PIECEWISE (pinned when unset) or NONE only.
-    compilation = engine_args.compilation_config
-    if isinstance(compilation, dict):  # EngineArgs converts dicts in __post_init__; a later assignment may not
-        from vllm.config import CompilationConfig
-
-        compilation = engine_args.compilation_config = CompilationConfig(**compilation)
-    mode = parse_cudagraph_mode(getattr(compilation, "cudagraph_mode", None))
-    if not expects_v2_runner():
-        if mode is None:
-            mode = CUDAGraphMode.PIECEWISE
-        elif mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
-            raise TreeConfigError(f"cudagraph_mode={mode.name} on vLLM's V1 model runner: {V1_GRAPHS_WHY}")
-    if mode is not None:
-        compilation.cudagraph_mode = mode
-
-
-V1_GRAPHS_WHY = ("the V1 tree runner hands attention each step's trees in its eager forward, which a full CUDA "
-                 "graph would replay without; use PIECEWISE or NONE, or the V2 runner (vLLM's default)")
-
-
-def tree_backend(value, option: str) -> str:
-    """"CUSTOM" (where ``install_gpu_backend`` registers the tree backend) for an
-    unset or CUSTOM backend option; any other backend is refused, naming ``option``."""
-    if value not in (None, "CUSTOM") and getattr(value, "name", None) != "CUSTOM":
-        raise TreeConfigError(f"{option}={value!r}: spec_tree verifies and drafts through its own backend "
-                              f"(registered as CUSTOM); leave {option} unset")
-    return "CUSTOM"
-
-
-def parse_cudagraph_mode(value):
-    """CUDAGraphMode from an enum, a name in any case (vLLM's own parsing,
-    which an assignment after construction bypasses) or None."""
-    from vllm.config import CUDAGraphMode
-
-    if value is None or isinstance(value, CUDAGraphMode):
-        return value
-    if isinstance(value, str) and value.upper() in CUDAGraphMode.__members__:
-        return CUDAGraphMode[value.upper()]
-    raise TreeConfigError(f"cudagraph_mode={value!r}: not a CUDAGraphMode name "
-                          f"({', '.join(CUDAGraphMode.__members__)})")
-
-
 def tree_worker_cls() -> str:
     from vllm.platforms import current_platform
 
@@ -460,6 +385,8 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
         raise TreeConfigError("decode/prefill context parallelism (decode_context_parallel_size="
                               f"{parallel.decode_context_parallel_size}) is not supported with spec_tree: the tree "
                               "rows read one rank's KV shard")
+    from .runner_choice import check_runner_options
+
     check_runner_options(vllm_config, settings)
     from .requests import mark_tree_engine
 
@@ -486,50 +413,6 @@ def check_draft_rows_fit(vllm_config, settings: TreeSettings) -> None:
             f"max_num_seqs={seqs} x topk={topk} = {seqs * topk} head rows per draft level exceeds the compiled "
             f"head's {limit} (max_num_batched_tokens): set max_num_seqs <= {limit // topk}, "
             f"max_num_batched_tokens >= {seqs * topk}, or enforce_eager=True")
-
-
-# Model Runner V2 options the V2 tree runner does not serve yet: (what, value getter, why).
-V2_REFUSALS = (
-    ("speculative_config enable_adaptive_verification=True",
-     lambda c: getattr(c.speculative_config, "enable_adaptive_verification", False),
-     "V2 then moves draft counts and query starts on the device, after the tree step is planned"),
-    ("enable_batch_sharded_sampling=True", lambda c: getattr(c.parallel_config, "enable_batch_sharded_sampling", False),
-     "the sampler then sees a rank's share of the batch; the tree walk reads the whole batch"),
-    ("enable_dbo=True (dual-batch overlap)", lambda c: getattr(c.parallel_config, "enable_dbo", False),
-     "micro-batches get their own attention metadata; the trees are published for the whole batch"),
-    ("watermark_config", lambda c: getattr(c, "watermark_config", None) is not None,
-     "the tree walk does not apply the watermark"),
-    ("kv_transfer_config", lambda c: getattr(c, "kv_transfer_config", None) is not None,
-     "disaggregated prefill with trees is untested"),
-    ("return_sampling_mask=True", lambda c: getattr(c.model_config, "return_sampling_mask", False),
-     "V2 sizes each request's sampling masks by its own one token per step, the tree walk emits more"),
-)
-
-
-def check_runner_options(vllm_config, settings: TreeSettings) -> None:
-    """The runner vLLM chose (``VllmConfig.use_v2_model_runner``): V2's options,
-    or V1 without async scheduling and full CUDA graphs (vLLM may pick V1 for a
-    feature V2 lacks after ``prepare_engine_args`` expected V2 and left both to
-    vLLM)."""
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        check_v2_runner_options(vllm_config, settings)
-        return
-    if vllm_config.scheduler_config.async_scheduling:
-        raise TreeConfigError(f"async_scheduling=True with vLLM's V1 model runner is not supported with spec_tree "
-                              f"({V1_ASYNC_WHY}); set async_scheduling=False or VLLM_USE_V2_MODEL_RUNNER=0 "
-                              "(spec-plugins then turns it off)")
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    if mode is not None and mode.has_full_cudagraphs():
-        raise TreeConfigError(f"cudagraph_mode={mode.name} with vLLM's V1 model runner is not supported with "
-                              f"spec_tree ({V1_GRAPHS_WHY}); set VLLM_USE_V2_MODEL_RUNNER=0 (spec-plugins then "
-                              "pins PIECEWISE)")
-
-
-def check_v2_runner_options(vllm_config, settings: TreeSettings) -> None:
-    """What the V2 tree runner (``runner_v2.py``) does not serve, refused by name."""
-    for what, value, why in V2_REFUSALS:
-        if value(vllm_config):
-            raise TreeConfigError(f"{what} is not supported with spec_tree on vLLM's V2 model runner ({why})")
 
 
 def model_attention_refusal(model) -> str | None:
@@ -582,70 +465,3 @@ def check_attention_options(model_config) -> None:
     if found:
         raise TreeConfigError(f"model {model_config.model}: {'; '.join(found)}: spec_tree does not serve these yet "
                               "(no end-to-end test of a model with them)")
-
-
-# ------------------------------------------------------------------- CLI flags
-
-CLI_FLAGS = {
-    # flag -> (namespace attribute, type, help)
-    "--speculative-algorithm": ("speculative_algorithm", str,
-                                f"{CLI_ALGORITHM} turns on spec-plugins' tree EAGLE (SGLang's flag name)."),
-    "--speculative-draft-model-path": ("speculative_draft_model_path", str,
-                                       "EAGLE-1 or EAGLE-3 head: a local folder or a hub id (kind read from its "
-                                       "config through vLLM's loader)."),
-    "--speculative-draft-model-revision": ("speculative_draft_model_revision", str,
-                                           "The head's revision on the hub (branch, tag or commit)."),
-    "--speculative-num-steps": ("speculative_num_steps", int, "Tree depth (default 5)."),
-    "--speculative-eagle-topk": ("speculative_eagle_topk", int, "Branching per draft step (default 4; 1 = chain)."),
-    "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int,
-                                       "Tree nodes incl. the root (default 8; chain: num_steps + 1)."),
-    "--speculative-tree-budget": ("speculative_tree_budget", str,
-                                  "'auto': choose each step's shape (or no speculation) from --speculative-tree-menu "
-                                  "by measured cost and acceptance; 'off' (default): the fixed shape above."),
-    "--speculative-tree-menu": ("speculative_tree_menu", str,
-                                "The adaptive budget's menu: 'none' and num_steps,topk,num_draft_tokens triples "
-                                "(default 'none,3,1,4,5,1,6,5,4,8')."),
-}
-
-
-def add_cli_flags(parser) -> None:
-    """Add SGLang-named tree flags to vLLM's parser (skipped if already there)."""
-    existing = set(getattr(parser, "_option_string_actions", {}))
-    group = parser.add_argument_group("spec-plugins tree speculative decoding")
-    for flag, (dest, typ, help_text) in CLI_FLAGS.items():
-        if flag not in existing:
-            group.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
-
-
-def apply_cli_flags(engine_args, namespace) -> None:
-    """Translate the tree flags in ``namespace`` into EngineArgs fields.
-
-    The head may come from --speculative-draft-model-path, from
-    --speculative-config's "model" or from vLLM 0.33's --spec-model: given
-    twice it must be the same head. Its kind is read later, in
-    ``prepare_engine_args`` (a hub id needs vLLM's config loader)."""
-    algo = getattr(namespace, "speculative_algorithm", None)
-    tree_flags = {k: getattr(namespace, dest, None) for k, (dest, _, _) in CLI_FLAGS.items()}
-    if algo is None:
-        used = [k for k, v in tree_flags.items() if v is not None]
-        if used:
-            raise TreeConfigError(f"{', '.join(used)} given without --speculative-algorithm {CLI_ALGORITHM}")
-        return
-    if algo.upper() != CLI_ALGORITHM:
-        raise TreeConfigError(f"--speculative-algorithm {algo!r}: spec-plugins adds only {CLI_ALGORITHM} "
-                              "to vLLM (other methods: --speculative-config)")
-    spec = dict(engine_args.speculative_config or {})
-    for flag, key in (("--speculative-draft-model-path", "model"), ("--speculative-draft-model-revision", "revision")):
-        value = tree_flags[flag]
-        if value is None:
-            continue
-        set_once(spec, key, value, flag, "--speculative-config")
-    engine_args.speculative_config = spec or None
-    tree = {}
-    for key, dest in (("num_steps", "speculative_num_steps"), ("topk", "speculative_eagle_topk"),
-                      ("num_draft_tokens", "speculative_num_draft_tokens"), ("budget", "speculative_tree_budget"),
-                      ("menu", "speculative_tree_menu")):
-        v = getattr(namespace, dest, None)
-        if v is not None:
-            tree[key] = v
-    engine_args.additional_config = {**(engine_args.additional_config or {}), SPEC_TREE_KEY: tree}

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 
+from . import cli_flags
 from . import config as tree_config
 
 _PATCHED_MARK = "_spec_plugins_tree_patch"
@@ -63,7 +64,7 @@ def apply() -> None:
         @functools.wraps(fn)
         def add_cli_args(parser, *args, **kwargs):
             parser = fn(parser, *args, **kwargs)
-            tree_config.add_cli_flags(parser)
+            cli_flags.add_cli_flags(parser)
             return parser
 
         return staticmethod(add_cli_args)
@@ -74,7 +75,7 @@ def apply() -> None:
         @functools.wraps(fn)
         def from_cli_args(cls, args):
             engine_args = fn(cls, args)
-            tree_config.apply_cli_flags(engine_args, args)
+            cli_flags.apply_cli_flags(engine_args, args)
             return engine_args
 
         return classmethod(from_cli_args)

