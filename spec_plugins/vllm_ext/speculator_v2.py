@@ -101,12 +101,10 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
         features = self.tree_drafter.features(last_hidden_states, aux_hidden_states)
         step = self.tree_runner.tree_step
         publish_verify_trees(None)  # the head runs causal over the (gathered) rows
-        if step is not None and step.groups:
-            features = self._commit_walk(step, input_batch, features, slot_mappings)
-        if step is not None and step.uniform_context is not None:  # every row had its tree position
-            input_batch.positions[: step.uniform_context.shape[0] * self.tree_runner.uniform_trees.nodes] = \
-                linear_positions(step.uniform_context, self.tree_runner.uniform_trees.nodes).to(
-                    input_batch.positions.dtype)
+        if step is not None:
+            if step.groups:
+                features = self._commit_walk(step, input_batch, features, slot_mappings)
+            self._chain_positions(step, input_batch)
         self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
         prepare_prefill_inputs(self.last_token_indices, self.current_draft_step, self.input_buffers, input_batch,
                                num_sampled, num_rejected, last_sampled, next_prefill_tokens, self.max_num_reqs)
@@ -132,7 +130,7 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
     def _commit_walk(self, step, input_batch, features: torch.Tensor, slot_mappings: dict) -> torch.Tensor:
         """The verified trees as chains of their accepted paths: target KV moved,
         rows gathered (returns the gathered features [num_tokens, H]; the node
-        tokens and positions are rewritten in the input batch's buffers)."""
+        tokens are rewritten in the input batch's buffer)."""
         runner = self.tree_runner
         kv_groups = runner.target_kv_groups(slot_mappings)
         source = torch.arange(features.shape[0], device=features.device)
@@ -141,10 +139,20 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
                 stk.move_accepted_kv(caches, slots[g.node_rows].to(torch.int64), g.accept_index, g.accept_length,
                                      impl=runner.tree_impl)
             source = source[path_order(features.shape[0], g.q_starts, g.accept_index, g.nodes)]
-            input_batch.positions[g.node_rows.flatten()] = linear_positions(g.context_lens, g.nodes).to(
-                input_batch.positions.dtype)
         input_batch.input_ids[: features.shape[0]] = input_batch.input_ids[source]
         return features[source]
+
+    def _chain_positions(self, step, input_batch) -> None:
+        """Positions back in chain order where the plan wrote tree positions: every
+        row of a uniform step (one write), else the tree groups' rows."""
+        dtype = input_batch.positions.dtype
+        if step.uniform_context is not None:
+            nodes = self.tree_runner.uniform_trees.nodes
+            input_batch.positions[: step.uniform_context.shape[0] * nodes] = linear_positions(
+                step.uniform_context, nodes).to(dtype)
+            return
+        for g in step.groups.values():
+            input_batch.positions[g.node_rows.flatten()] = linear_positions(g.context_lens, g.nodes).to(dtype)
 
     def _draft(self, input_batch, last_hidden, next_hidden, kv_lens, shape) -> tuple[torch.Tensor, torch.Tensor]:
         """Trees of ``shape`` (None: the root alone, no draft levels) for every
