@@ -82,7 +82,6 @@ def test_tree_attention_reads_exactly_the_tables_modes():
 
 
 def test_the_adapters_use_the_table():
-    pytest.importorskip("spec_plugins")
     from spec_plugins.sglang_ext import config as sglang_config
 
     from spec_plugins.vllm_ext import config as vllm_config
@@ -160,7 +159,6 @@ def test_head_kinds_detection_and_spellings():
 
 
 def test_shipped_heads_detected_alike_by_every_consumer():
-    pytest.importorskip("spec_plugins")
     from spec_plugins.heads import SHIPPED, HeadConfig, head_path
     from spec_plugins.sglang_ext.config import detect_variant
     from spec_plugins.vllm_ext.config import head_method
