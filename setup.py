@@ -5,10 +5,12 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 # (package, module) pairs that stay in the repository: benchmarks, the HF
-# reference decoder, the docs' support-table generator, the SGLang test doubles
+# reference decoders (EAGLE trees and DDTree), the docs' support-table generator, the SGLang test doubles
 REPOSITORY_ONLY = {
     ("spec_plugins", "acceptance_bench"),
     ("spec_plugins", "bench_noise"),
+    ("spec_plugins", "block_bench"),
+    ("spec_plugins", "block_decoder"),
     ("spec_plugins", "reference_decoder"),
     ("spec_plugins", "support_table"),
     ("spec_plugins", "vllm_bench"),

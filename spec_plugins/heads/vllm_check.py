@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from spec_plugins import vllm_runs
@@ -38,7 +39,9 @@ def run(head_dir: Path, method: str, num_spec: int, prompts: list[str], max_toke
     common = engine_kwargs(str(ensure_converted()))
     llm = LLM(**common, speculative_config={"method": method, "model": str(head_dir),
                                             "num_speculative_tokens": num_spec})
+    t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
+    spec_seconds = time.perf_counter() - t0
     metrics = llm.get_metrics()
     spec_tokens = [list(o.outputs[0].token_ids) for o in outs]
     result = {
@@ -48,6 +51,7 @@ def run(head_dir: Path, method: str, num_spec: int, prompts: list[str], max_toke
         "num_accepted_tokens": _metric(metrics, "vllm:spec_decode_num_accepted_tokens"),
         "accepted_per_pos": _metric(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos"),
         "generated_tokens": sum(len(t) for t in spec_tokens),
+        "tokens_per_second": round(sum(len(t) for t in spec_tokens) / spec_seconds, 2),
     }
     if result["num_drafts"]:
         result["mean_acceptance_length"] = round(1 + result["num_accepted_tokens"] / result["num_drafts"], 3)
@@ -57,7 +61,10 @@ def run(head_dir: Path, method: str, num_spec: int, prompts: list[str], max_toke
 
         gc.collect()
         base = LLM(**common)
+        t0 = time.perf_counter()
         ref = [list(o.outputs[0].token_ids) for o in base.generate(prompts, params, use_tqdm=False)]
+        result["no_speculation_tokens_per_second"] = round(sum(len(t) for t in ref) / (time.perf_counter() - t0), 2)
+        result["speedup"] = round(result["tokens_per_second"] / result["no_speculation_tokens_per_second"], 3)
         result["identical_to_no_speculation"] = ref == spec_tokens
         result["identical_prompts"] = sum(a == b for a, b in zip(ref, spec_tokens))
         del base
