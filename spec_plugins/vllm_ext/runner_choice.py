@@ -121,6 +121,11 @@ def check_runner_options(vllm_config, settings) -> None:
     if getattr(vllm_config, "use_v2_model_runner", False):
         check_v2_runner_options(vllm_config, settings)
         return
+    if getattr(vllm_config.speculative_config, "method", None) == "dflash":
+        from .config import BLOCK_DRAFTER_V1_WHY
+
+        raise TreeConfigError("spec_tree with speculative_config method 'dflash' on vLLM's V1 model runner is not "
+                              f"supported ({BLOCK_DRAFTER_V1_WHY})")
     if vllm_config.scheduler_config.async_scheduling:
         raise TreeConfigError(f"async_scheduling=True with vLLM's V1 model runner is not supported with spec_tree "
                               f"({V1_ASYNC_WHY}); set async_scheduling=False or VLLM_USE_V2_MODEL_RUNNER=0 "
