@@ -121,7 +121,7 @@ def check_runner_options(vllm_config, settings) -> None:
     if getattr(vllm_config, "use_v2_model_runner", False):
         check_v2_runner_options(vllm_config, settings)
         return
-    if getattr(vllm_config.speculative_config, "method", None) == "dflash":
+    if getattr(getattr(vllm_config, "speculative_config", None), "method", None) == "dflash":
         from .config import BLOCK_DRAFTER_V1_WHY
 
         raise TreeConfigError("spec_tree with speculative_config method 'dflash' on vLLM's V1 model runner is not "

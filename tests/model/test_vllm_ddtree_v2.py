@@ -129,6 +129,20 @@ def test_refused_on_the_v1_runner(monkeypatch):
         _prepare(ddtree_kwargs(), v2=False, monkeypatch=monkeypatch)
 
 
+def test_refused_when_vllm_builds_the_v1_runner_after_all():
+    """prepare_engine_args expected V2 but vLLM built V1 (a feature V2 lacks): refused once the config is built."""
+    from types import SimpleNamespace
+
+    from spec_plugins.vllm_ext.config import parse_tree_settings
+    from spec_plugins.vllm_ext.runner_choice import check_runner_options
+
+    config = SimpleNamespace(use_v2_model_runner=False, speculative_config=SimpleNamespace(method="dflash"),
+                             scheduler_config=SimpleNamespace(async_scheduling=False))
+    with pytest.raises(TreeConfigError, match="method 'dflash' on vLLM's V1 model runner"):
+        check_runner_options(config, parse_tree_settings(dict(zip(("num_steps", "topk", "num_draft_tokens"),
+                                                                  SHAPE))))
+
+
 def test_refused_with_the_adaptive_budget(monkeypatch):
     with pytest.raises(TreeConfigError, match="budget='auto' is not supported with method 'dflash'"):
         _prepare(ddtree_kwargs(spec_tree={"budget": "auto"}), v2=True, monkeypatch=monkeypatch)
