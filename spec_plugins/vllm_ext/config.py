@@ -208,7 +208,7 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     settings = settings_with_spec_tokens(extra[SPEC_TREE_KEY], spec.get("num_speculative_tokens"))
     engine_args.additional_config = {**extra, SPEC_TREE_KEY: settings.as_dict()}
     if spec.get("method") == BLOCK_DRAFTER_METHOD:
-        check_block_drafter(settings)
+        check_block_drafter(settings, spec.get("model"))
     elif spec.get("method") not in (None, *VLLM_METHODS):
         raise TreeConfigError(
             f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), or "
@@ -259,7 +259,7 @@ BLOCK_DRAFTER_V1_WHY = ("DDTree trees over a DFlash drafter are drafted by the V
                         "backend), or drop spec_tree for vLLM's own DFlash chains")
 
 
-def check_block_drafter(settings: TreeSettings) -> None:
+def check_block_drafter(settings: TreeSettings, drafter: str | None = None) -> None:
     """spec_tree with method 'dflash': the shape is (L = the drafter's query block
     of mask rows, K tokens per position, T = verify width); refused by name
     before anything loads where the V2 DDTree speculator cannot serve it."""
@@ -278,6 +278,12 @@ def check_block_drafter(settings: TreeSettings) -> None:
     except ValueError as e:
         raise TreeConfigError(f"spec_tree with method 'dflash' (num_steps=L={shape.num_steps}, topk={shape.topk}, "
                               f"num_draft_tokens={shape.num_draft_tokens}): {e}") from None
+    cfg = Path(drafter) / "config.json" if drafter else None  # a hub id: checked when the speculator is built
+    block = json.loads(cfg.read_text()).get("block_size") if cfg is not None and cfg.is_file() else None
+    if block is not None and shape.num_steps > block - 1:
+        raise TreeConfigError(f"spec_tree num_steps={shape.num_steps} with method 'dflash': the drafter {drafter} "
+                              f"drafts blocks of {block} (the bonus token + {block - 1} mask rows); set num_steps "
+                              f"<= {block - 1}")
 
 
 def merge_spec_flags(engine_args) -> dict:

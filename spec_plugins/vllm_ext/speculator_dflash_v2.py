@@ -38,6 +38,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from spec_plugins.tree_drafting import block_topk, block_trees
 
 from .attention import publish_verify_trees
+from .errors import TreeConfigError
 from .speculator_v2 import TreeSpeculatorStateMixin
 
 
@@ -50,6 +51,11 @@ class TreeDFlashSpeculatorV2(TreeSpeculatorStateMixin, DFlashSpeculator):
         shape = runner.tree_settings.shape
         self.block_topk_k = shape.topk
         self.block_nodes = shape.num_draft_tokens - 1
+        block = getattr(self.draft_model_config.hf_config, "block_size", None)  # the drafter's trained block
+        if block is not None and shape.num_steps > block - 1:
+            raise TreeConfigError(f"spec_tree num_steps={shape.num_steps} with method 'dflash': the drafter "
+                                  f"{self.draft_model_config.model} was trained on blocks of {block} (the bonus "
+                                  f"token + {block - 1} mask rows); set num_steps <= {block - 1}")
         self._set_block_length(shape.num_steps)
         self._dummy = False
 

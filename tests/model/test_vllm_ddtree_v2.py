@@ -156,6 +156,11 @@ def test_refused_shape_the_block_cannot_form(monkeypatch, shape):
         _prepare(ddtree_kwargs(shape=shape), v2=True, monkeypatch=monkeypatch)
 
 
+def test_refused_block_longer_than_the_drafters(monkeypatch):
+    with pytest.raises(TreeConfigError, match=f"num_steps={MASK_ROWS + 1} with method 'dflash'"):
+        _prepare(ddtree_kwargs(shape=(MASK_ROWS + 1, 4, 16)), v2=True, monkeypatch=monkeypatch)
+
+
 def test_accepted_shape_sets_t_minus_1_spec_tokens(monkeypatch):
     settings = _prepare(ddtree_kwargs(), v2=True, monkeypatch=monkeypatch)
     assert settings.shape.num_steps == MASK_ROWS and settings.num_spec_tokens == SHAPE[2] - 1
