@@ -254,16 +254,13 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
 
 
 BLOCK_DRAFTER_METHOD = "dflash"  # DDTree trees over vLLM's DFlash drafter (runner_v2 + speculator_dflash_v2)
-BLOCK_DRAFTER_V1_WHY = ("DDTree trees over a DFlash drafter are drafted by the V2 tree runner only "
-                        "(speculator_dflash_v2); set VLLM_USE_V2_MODEL_RUNNER=1 (vLLM-CPU: with Triton's CPU "
-                        "backend), or drop spec_tree for vLLM's own DFlash chains")
 
 
 def check_block_drafter(settings: TreeSettings, drafter: str | None = None) -> None:
     """spec_tree with method 'dflash': the shape is (L = the drafter's query block
     of mask rows, K tokens per position, T = verify width); refused by name
     before anything loads where the V2 DDTree speculator cannot serve it."""
-    from .runner_choice import expects_v2_runner
+    from .runner_choice import BLOCK_DRAFTER_V1_WHY, expects_v2_runner
 
     if not expects_v2_runner():
         raise TreeConfigError(f"spec_tree with speculative_config method 'dflash' on vLLM's V1 model runner is not "

@@ -8,7 +8,9 @@ its own trees are ~never accepted; the oracle engine replaces its block
 logits (``oracle_drafter.BlockLogitsOracle``) so that trees hold the true
 continuation, at rank 0 or under a wrong rank-0 sibling: deep acceptance and
 sibling rejection. Jobs: a batch of 4 with a stop token and a prompt
-chunked over steps that verify trees, then one request alone. Every greedy output must equal no speculation token for token.
+chunked over steps that verify trees, then one request alone (and a sampled
+request, served without speculation). Every greedy output must equal no
+speculation token for token.
 Startup refusals (DFlash on V1, budget 'auto', a shape the block cannot
 form) run in-process, before any weights load.
 """
@@ -39,7 +41,8 @@ NEWLINE = 198  # SmolLM2's "\n"
 # the last prompt is longer than a step's token budget: its chunks share steps with the others' trees
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "List three colors:",
            "Repeat after me: " + " ".join(["alpha beta gamma"] * 60)]
-BATCH_PARAMS = [dict(temperature=0, max_tokens=32), dict(temperature=0, max_tokens=32, stop_token_ids=[NEWLINE]),
+BATCH_PARAMS = [dict(temperature=0, max_tokens=32, stop=["\n"]),
+                dict(temperature=0, max_tokens=32, stop_token_ids=[NEWLINE]),
                 dict(temperature=0, max_tokens=24), dict(temperature=0, max_tokens=8)]
 ENGINE_SIZE = {"max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4,
                "max_num_batched_tokens": 128}
@@ -63,6 +66,7 @@ def ddtree_kwargs(shape=SHAPE, spec_tree=None, **overrides) -> dict:
 def runs() -> dict:
     batch = {"prompts": PROMPTS, "params": BATCH_PARAMS}
     alone = {"prompts": [PROMPTS[0]], "params": [dict(temperature=0, max_tokens=32)]}
+    sampled = {"prompts": [PROMPTS[1]], "params": [dict(temperature=0.8, max_tokens=8)]}
     engines = [
         {"name": "none", "kwargs": vllm_runs.engine_kwargs(str(ensure_converted()), **ENGINE_SIZE)},
         {"name": "ddtree", "kwargs": ddtree_kwargs()},
@@ -70,7 +74,7 @@ def runs() -> dict:
         {"name": "ddtree_oracle_without_kv_move", "kwargs": ddtree_kwargs(), "fault": "skip_kv_move",  # a break
          "block_oracle": {"from": "none", "second_rate": 0.3}},
     ]
-    return run_child({"engines": engines, "jobs": [batch, alone]}, timeout=1800)
+    return run_child({"engines": engines, "jobs": [batch, alone, sampled]}, timeout=1800)
 
 
 def test_engines_run_the_ddtree_speculator_on_v2(runs):
@@ -83,6 +87,14 @@ def test_engines_run_the_ddtree_speculator_on_v2(runs):
 def test_the_jobs_exercise_what_they_claim(runs):
     first = runs["none"]["jobs"][0]
     assert first[1]["finish"] == "stop" and len(first[1]["tokens"]) < 32  # the stop token ends a request early
+    assert first[0]["finish"] == "stop" and len(first[0]["tokens"]) < 32  # the stop string ends one early
+
+
+@pytest.mark.parametrize("name", ["ddtree", "ddtree_oracle"])
+def test_sampled_request_is_served_without_speculation(runs, name):
+    """temperature > 0 with DFlash trees: V2's sampler, one token per step (no tree walk)."""
+    (out,) = runs[name]["jobs"][2]
+    assert len(out["tokens"]) == 8 and out["finish"] == "length"
 
 
 def test_identity_check_catches_a_broken_kv_move(runs):
@@ -90,13 +102,13 @@ def test_identity_check_catches_a_broken_kv_move(runs):
     from no speculation: the identity test sees what the walk's commit gets wrong."""
     broken = runs["ddtree_oracle_without_kv_move"]
     assert broken["spec"]["accepted"] > 0
-    assert any(a["tokens"] != b["tokens"] for ja, jb in zip(runs["none"]["jobs"], broken["jobs"])
+    assert any(a["tokens"] != b["tokens"] for ja, jb in zip(runs["none"]["jobs"][:2], broken["jobs"][:2])
                for a, b in zip(ja, jb))
 
 
 @pytest.mark.parametrize("name", ["ddtree", "ddtree_oracle"])
 def test_greedy_outputs_identical_to_no_speculation(runs, name):
-    for job, (reference, got) in enumerate(zip(runs["none"]["jobs"], runs[name]["jobs"])):
+    for job, (reference, got) in enumerate(zip(runs["none"]["jobs"][:2], runs[name]["jobs"][:2])):
         for i, (a, b) in enumerate(zip(reference, got)):
             assert (a["tokens"], a["finish"]) == (b["tokens"], b["finish"]), f"{name}, job {job}, request {i}"
 
