@@ -207,10 +207,12 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     spec = merge_spec_flags(engine_args)
     settings = settings_with_spec_tokens(extra[SPEC_TREE_KEY], spec.get("num_speculative_tokens"))
     engine_args.additional_config = {**extra, SPEC_TREE_KEY: settings.as_dict()}
-    if spec.get("method") not in (None, *VLLM_METHODS):
+    if spec.get("method") == BLOCK_DRAFTER_METHOD:
+        check_block_drafter(settings, spec.get("model"))
+    elif spec.get("method") not in (None, *VLLM_METHODS):
         raise TreeConfigError(
-            f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), "
-            f"got method={spec['method']!r}")
+            f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), or "
+            f"'dflash' on vLLM's V2 model runner (DDTree over a DFlash drafter), got method={spec['method']!r}")
     if not spec.get("model"):
         raise TreeConfigError(f"spec_tree needs a draft head (EAGLE-1 or EAGLE-3): {HEAD_SPELLINGS}")
     if spec.get("method") is None:  # vLLM itself guesses from the head's name only: read its config
@@ -249,6 +251,36 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     if wanted == GPU_WORKER:
         prepare_gpu_engine_args(engine_args)
     return settings
+
+
+BLOCK_DRAFTER_METHOD = "dflash"  # DDTree trees over vLLM's DFlash drafter (runner_v2 + speculator_dflash_v2)
+
+
+def check_block_drafter(settings: TreeSettings, drafter: str | None = None) -> None:
+    """spec_tree with method 'dflash': the shape is (L = the drafter's query block
+    of mask rows, K tokens per position, T = verify width); refused by name
+    before anything loads where the V2 DDTree speculator cannot serve it."""
+    from .runner_choice import BLOCK_DRAFTER_V1_WHY, expects_v2_runner
+
+    if not expects_v2_runner():
+        raise TreeConfigError(f"spec_tree with speculative_config method 'dflash' on vLLM's V1 model runner is not "
+                              f"supported ({BLOCK_DRAFTER_V1_WHY})")
+    if settings.menu is not None:
+        raise TreeConfigError("spec_tree budget='auto' is not supported with method 'dflash': the budget's menu "
+                              "drafts EAGLE trees level by level, a DFlash drafter runs one block of fixed length per "
+                              "step; give a fixed shape (num_steps = the block's mask rows L, topk, num_draft_tokens)")
+    shape = settings.shape
+    try:
+        stk.validate_block_tree_shape(shape.num_steps, shape.topk, shape.num_draft_tokens - 1)
+    except ValueError as e:
+        raise TreeConfigError(f"spec_tree with method 'dflash' (num_steps=L={shape.num_steps}, topk={shape.topk}, "
+                              f"num_draft_tokens={shape.num_draft_tokens}): {e}") from None
+    cfg = Path(drafter) / "config.json" if drafter else None  # a hub id: checked when the speculator is built
+    block = json.loads(cfg.read_text()).get("block_size") if cfg is not None and cfg.is_file() else None
+    if block is not None and shape.num_steps > block - 1:
+        raise TreeConfigError(f"spec_tree num_steps={shape.num_steps} with method 'dflash': the drafter {drafter} "
+                              f"drafts blocks of {block} (the bonus token + {block - 1} mask rows); set num_steps "
+                              f"<= {block - 1}")
 
 
 def merge_spec_flags(engine_args) -> dict:

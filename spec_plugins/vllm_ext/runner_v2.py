@@ -33,6 +33,12 @@ them in a device buffer indexed like V2's request states
    tokens returned to V2 (which stores them as the next step's drafts) with
    its parents kept on the device.
 
+With ``speculative_config.method == "dflash"`` the speculator is
+``TreeDFlashSpeculatorV2`` (``speculator_dflash_v2.py``): step 3's commit is
+the same, then vLLM's DFlash drafter runs its one block forward and DDTree's
+best-first tree is built from its mask rows' top-K (greedy requests; sampled
+ones are served without speculation).
+
 Requests that may not be speculated (``requests.params_allow_speculation``,
 a logits processor that applies, or a seed: V2 keys a seeded request's draws
 by seed and position, which trees would not reproduce) still carry drafts
@@ -141,6 +147,7 @@ class TreeStatsV2(TreeStats):
     budget_learned_requests: dict = field(default_factory=dict)
     budget_learned_accepted: dict = field(default_factory=dict)
     budget_lag: dict = field(default_factory=dict)
+    block_tree_steps: int = 0  # DFlash drafter (method "dflash"): steps that drafted DDTree trees
 
 
 @dataclass
@@ -182,13 +189,25 @@ class TreeRunnerV2Mixin:
         self.uniform_trees = UniformTrees.create(settings.mask_mode, self.verify_depth + 1, self.max_num_reqs,
                                                  self.device)
         install_uniform_trees(self.uniform_trees)
-        from .speculator_v2 import TreeEagleSpeculatorV2
+        self.block_drafter = vllm_config.speculative_config.method == "dflash"  # DDTree over vLLM's DFlash
+        if self.block_drafter:
+            from .speculator_dflash_v2 import TreeDFlashSpeculatorV2
 
-        self.speculator = TreeEagleSpeculatorV2(vllm_config, self.device, self)
+            self.speculator = TreeDFlashSpeculatorV2(vllm_config, self.device, self)
+        else:
+            from .speculator_v2 import TreeEagleSpeculatorV2
+
+            self.speculator = TreeEagleSpeculatorV2(vllm_config, self.device, self)
 
     # ------------------------------------------------------------------ setup
     def load_model(self, *args, **kwargs):
         spec = self.vllm_config.speculative_config
+        if self.block_drafter:  # DFlash's loader shares the target's embedding and lm_head itself
+            super().load_model(*args, **kwargs)
+            from .verify_v2 import TreeVerifierV2
+
+            self.rejection_sampler = TreeVerifierV2(self, self.rejection_sampler)
+            return
         check_head_fits_target(spec.draft_model_config.hf_config, self.vllm_config.model_config.hf_text_config,
                                spec.method, spec.draft_model_config.model)
         super().load_model(*args, **kwargs)
@@ -211,7 +230,8 @@ class TreeRunnerV2Mixin:
                          if n not in draft_layers]
         check_tree_attention_installed(self.compilation_config.static_forward_context, target_layers + draft_layers)
         check_at_startup(self, target_layers, draft_layers)
-        warm_tree_kernels(self, target_layers, draft_layers)
+        # a block drafter's layers run DFlash's own attention only (no tree rows, no draft levels)
+        warm_tree_kernels(self, target_layers, [] if self.block_drafter else draft_layers)
         self._warm_kv_move()
 
     def _check_kernel_block_sizes(self) -> None:
@@ -272,6 +292,8 @@ class TreeRunnerV2Mixin:
                 # seeded sampled requests stay with V2's sampler, which keys their draws by seed and
                 # position: reproducible, and the same tokens as without speculation
                 kind = {SamplingType.GREEDY: GREEDY, SamplingType.RANDOM: SAMPLED}.get(p.sampling_type, NO_TREE)
+                if kind == SAMPLED and self.block_drafter:  # DDTree's sampled verification is untested on V2:
+                    kind = NO_TREE  # served by V2's sampler without speculation, as a seeded request is
             self.tree_kind[index] = kind
 
     def _processors_apply(self, index: int, params) -> bool:

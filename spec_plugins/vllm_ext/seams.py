@@ -25,6 +25,7 @@ from .seam_check import KINDS, PLATFORMS, Seam, SeamError, applies, base_version
 GMR = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"  # the V1 runner; vLLM-CPU's CPUModelRunner subclasses it
 V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"  # Model Runner V2; vLLM-CPU's V2 CPUModelRunner subclasses it
 V2_BATCH = "vllm.v1.worker.gpu.input_batch:InputBatch"
+V2_DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator"  # DDTree's block drafter
 V2_EAGLE = "vllm.v1.worker.gpu.spec_decode.eagle.speculator:EagleSpeculator"
 BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
 ARGS = "vllm.engine.arg_utils:EngineArgs"
@@ -183,6 +184,22 @@ SEAMS: tuple[Seam, ...] = (
          "last_token_indices, current_draft_step, input_buffers, input_batch, num_sampled, num_rejected, "
          "last_sampled, next_prefill_tokens, max_num_reqs", "the head's inputs, as V2's propose makes them"),
     Seam("vllm.v1.worker.gpu.buffer_utils", "async_tensor_h2d", "global", why="the plan's small uploads, staged"),
+    # --- DDTree over vLLM's DFlash drafter (speculator_dflash_v2.py) --------------------------------------------
+    Seam(V2_DFLASH, "__init__", "method", "vllm_config, device", "built with T - 1 steps, then L set"),
+    Seam(V2_DFLASH, "propose", "method", "input_batch, attn_metadata, slot_mappings, last_hidden_states, "
+         "aux_hidden_states, num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, ...",
+         "called after the walk's commit, with the aux rows gathered into path order"),
+    Seam(V2_DFLASH, "_generate_draft", "method", "num_reqs, num_tokens_padded, attn_metadata, slot_mappings, "
+         "num_tokens_across_dp, cudagraph_runtime_mode", "replaced: block top-K and DDTree trees, not sampled chains"),
+    Seam(V2_DFLASH, "_run_model", "method", "num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, "
+         "cudagraph_runtime_mode", "the drafter's query forward"),
+    Seam(V2_DFLASH, "_num_graph_context_tokens", "method", "num_reqs",
+         "overridden: a captured step stores a verified tree's T context rows per request"),
+    Seam("vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator", "compute_draft_logits", "method",
+         "hidden_states, spec_step_idx", "the mask rows' logits"),
+    *(Seam(V2_DFLASH, a, "attr", why="DFlash's query block, sized from num_speculative_steps: set to L, rebuilt")
+      for a in ("num_speculative_steps", "num_query_per_req", "sample_indices", "sample_pos", "sample_idx_mapping",
+                "sample_col", "draft_tokens", "max_num_reqs", "max_num_tokens")),
     # --- the runner: overridden methods (runner.py) -------------------------------------------------------------
     Seam(GMR, "__init__", "method", "vllm_config, device", "TreeRunnerMixin.__init__ passes them through"),
     Seam(GMR, "load_model", "method", "load_dummy_weights, model", "then the tree proposer loads the head"),

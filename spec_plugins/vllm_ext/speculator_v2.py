@@ -57,16 +57,56 @@ class V2TreeDrafter(TreeDrafter):
         return last[:n], nxt[:n]
 
 
-class TreeEagleSpeculatorV2(EagleSpeculator):
-    def __init__(self, vllm_config, device, runner):
-        super().__init__(vllm_config, device)
+class TreeSpeculatorStateMixin:
+    """What every V2 tree speculator (EAGLE heads here, DFlash block drafters in
+    ``speculator_dflash_v2``) keeps for the runner and does before its drafter
+    runs: the trees' parents and node counts per request state, and the commit
+    of the last step's walk (KV moved, rows gathered into path order,
+    positions back in chain order)."""
+
+    def _init_tree_state(self, runner, device) -> None:
         self.tree_runner = runner
         T = runner.tree_settings.shape.num_draft_tokens
-        # [max_num_reqs, T] node-local parent of every node of each request's last tree (-1: the root)
-        self.tree_parents = torch.full((self.max_num_reqs, T), -1, dtype=torch.int64, device=device)
+        # [max_num_reqs + 1, T] node-local parent of every node of each request's last tree (-1: the
+        # root); the last row takes writes of padded rows (a captured draft step's), never read
+        self.tree_parents = torch.full((self.max_num_reqs + 1, T), -1, dtype=torch.int64, device=device)
         # [max_num_reqs] nodes of each request's last tree that were drafted (adaptive budget: the
         # chosen entry's T, 1 for no speculation); the rest of its T slots is padding no walk reaches
         self.tree_nodes = torch.full((self.max_num_reqs,), T, dtype=torch.int64, device=device)
+
+    def _commit_walk(self, step, input_batch, num_rows: int, slot_mappings: dict) -> torch.Tensor:
+        """The verified trees as chains of their accepted paths: target KV moved,
+        node tokens rewritten in the input batch's buffer into path order.
+        Returns the gather [num_rows] int64 that puts the step's target rows
+        (hidden states) into the same order."""
+        runner = self.tree_runner
+        kv_groups = runner.target_kv_groups(slot_mappings)
+        source = torch.arange(num_rows, device=self.device)
+        for g in step.groups.values():
+            for slots, caches in kv_groups:
+                stk.move_accepted_kv(caches, slots[g.node_rows].to(torch.int64), g.accept_index, g.accept_length,
+                                     impl=runner.tree_impl)
+            source = source[path_order(num_rows, g.q_starts, g.accept_index, g.nodes)]
+        input_batch.input_ids[:num_rows] = input_batch.input_ids[source]
+        return source
+
+    def _chain_positions(self, step, input_batch) -> None:
+        """Positions back in chain order where the plan wrote tree positions: every
+        row of a uniform step (one write), else the tree groups' rows."""
+        dtype = input_batch.positions.dtype
+        if step.uniform_context is not None:
+            nodes = self.tree_runner.uniform_trees.nodes
+            input_batch.positions[: step.uniform_context.shape[0] * nodes] = linear_positions(
+                step.uniform_context, nodes).to(dtype)
+            return
+        for g in step.groups.values():
+            input_batch.positions[g.node_rows.flatten()] = linear_positions(g.context_lens, g.nodes).to(dtype)
+
+
+class TreeEagleSpeculatorV2(TreeSpeculatorStateMixin, EagleSpeculator):
+    def __init__(self, vllm_config, device, runner):
+        super().__init__(vllm_config, device)
+        self._init_tree_state(runner, device)
         self.tree_drafter: V2TreeDrafter | None = None
 
     def load_draft_model(self, target_model, target_attn_layer_names):
@@ -103,7 +143,7 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
         publish_verify_trees(None)  # the head runs causal over the (gathered) rows
         if step is not None:
             if step.groups:
-                features = self._commit_walk(step, input_batch, features, slot_mappings)
+                features = features[self._commit_walk(step, input_batch, features.shape[0], slot_mappings)]
             self._chain_positions(step, input_batch)
         self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
         prepare_prefill_inputs(self.last_token_indices, self.current_draft_step, self.input_buffers, input_batch,
@@ -127,33 +167,6 @@ class TreeEagleSpeculatorV2(EagleSpeculator):
         return self.draft_tokens[:num_reqs]
 
     # -------------------------------------------------------------- the steps
-    def _commit_walk(self, step, input_batch, features: torch.Tensor, slot_mappings: dict) -> torch.Tensor:
-        """The verified trees as chains of their accepted paths: target KV moved,
-        rows gathered (returns the gathered features [num_tokens, H]; the node
-        tokens are rewritten in the input batch's buffer)."""
-        runner = self.tree_runner
-        kv_groups = runner.target_kv_groups(slot_mappings)
-        source = torch.arange(features.shape[0], device=features.device)
-        for g in step.groups.values():
-            for slots, caches in kv_groups:
-                stk.move_accepted_kv(caches, slots[g.node_rows].to(torch.int64), g.accept_index, g.accept_length,
-                                     impl=runner.tree_impl)
-            source = source[path_order(features.shape[0], g.q_starts, g.accept_index, g.nodes)]
-        input_batch.input_ids[: features.shape[0]] = input_batch.input_ids[source]
-        return features[source]
-
-    def _chain_positions(self, step, input_batch) -> None:
-        """Positions back in chain order where the plan wrote tree positions: every
-        row of a uniform step (one write), else the tree groups' rows."""
-        dtype = input_batch.positions.dtype
-        if step.uniform_context is not None:
-            nodes = self.tree_runner.uniform_trees.nodes
-            input_batch.positions[: step.uniform_context.shape[0] * nodes] = linear_positions(
-                step.uniform_context, nodes).to(dtype)
-            return
-        for g in step.groups.values():
-            input_batch.positions[g.node_rows.flatten()] = linear_positions(g.context_lens, g.nodes).to(dtype)
-
     def _draft(self, input_batch, last_hidden, next_hidden, kv_lens, shape) -> tuple[torch.Tensor, torch.Tensor]:
         """Trees of ``shape`` (None: the root alone, no draft levels) for every
         request of the batch, padded to the T slots V2 schedules: (tokens

@@ -197,3 +197,75 @@ class TreeOracle:
             first_child.setdefault(p, j)
         top1 = [True] + [first_child[p] == j for j, p in enumerate(parents[1:], start=1)]
         return [nodes[i][2] for i in order[1:]], parents, top1
+
+
+@dataclass
+class BlockOracleStats:
+    blocks: int = 0  # request-steps whose block logits the oracle replaced
+    second_rank: int = 0  # positions whose true token it ranked second (its rank-0 sibling is wrong)
+    unknown_positions: int = 0  # positions past the reference (left to the real drafter's logits)
+    unknown_prompts: int = 0  # requests whose prompt has no reference
+
+
+@dataclass
+class BlockLogitsOracle:
+    """The oracle for block drafters on vLLM's V2 (``TreeDFlashSpeculatorV2``):
+    it replaces the drafter's mask-row logits [R, L, V] (``block_logits``)
+    before DDTree's top-K and tree build, so the production path from
+    ``block_topk`` on (the best-first tree, the scheduler's cut, tree
+    attention, the walk, the KV move) runs on trees that hold the true
+    continuation. Per position the true token gets rank 0, or with
+    probability ``second_rate`` rank 1 under a wrong rank-0 sibling (which
+    the walk must reject, then accept the sibling); the other ranks are
+    random tokens. references: tuple(prompt ids) -> prompt + greedy continuation."""
+
+    references: dict
+    seed: int = 0
+    second_rate: float = 0.3
+    avoid: tuple = (0, 1, 2, 3)
+    stats: BlockOracleStats = field(default_factory=BlockOracleStats)
+
+    def install(self, runner) -> "BlockLogitsOracle":
+        import torch
+
+        spec = runner.speculator
+        real = spec.block_logits
+        rng = np.random.default_rng(self.seed)
+        states_of = runner.req_states
+
+        def block_logits(hidden, num_reqs):
+            logits = real(hidden, num_reqs)
+            L = spec.num_speculative_steps
+            states = spec.sample_idx_mapping[: num_reqs * L].view(num_reqs, L)[:, 0].tolist()
+            pos = spec.sample_pos[: num_reqs * L].view(num_reqs, L).tolist()
+            V = logits.shape[-1]
+            for r, state in enumerate(states):
+                if state < 0:
+                    continue
+                plen = int(states_of.prompt_len.np[state])
+                prompt = tuple(states_of.all_token_ids.gpu[state, :plen].tolist())
+                ref = self.references.get(prompt)
+                if ref is None:
+                    self.stats.unknown_prompts += 1
+                    continue
+                self.stats.blocks += 1
+                for i in range(L):
+                    p = pos[r][i]
+                    if p >= len(ref):
+                        self.stats.unknown_positions += 1
+                        continue
+                    true = ref[p]
+                    others = [int(t) for t in rng.choice(V, 8, replace=False)
+                              if t != true and t not in self.avoid][:3]
+                    ranked = [true, *others]
+                    if rng.random() < self.second_rate:
+                        ranked[0], ranked[1] = ranked[1], ranked[0]
+                        self.stats.second_rank += 1
+                    row = torch.full((V,), -30.0, dtype=logits.dtype, device=logits.device)
+                    row[torch.tensor(ranked, device=logits.device)] = torch.tensor(
+                        [10.0, 9.0, 8.0, 7.0][: len(ranked)], dtype=logits.dtype, device=logits.device)
+                    logits[r, i] = row
+            return logits
+
+        spec.block_logits = block_logits
+        return self

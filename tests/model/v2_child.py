@@ -9,7 +9,9 @@ processes never see the stand-in.
 
 SPEC_JSON: {"engines": [{"name", "kwargs" (LLM keyword overrides),
 "fault": null | "skip_kv_move" | "census_regressions", "tree_impl": null |
-"triton" | ..., "jobs": this engine's own jobs (optional)}], "jobs": [{"prompts": [...], "params":
+"triton" | ..., "jobs": this engine's own jobs (optional), "block_oracle": null |
+{"from": an earlier engine's name, BlockLogitsOracle options} (DDTree over
+DFlash with oracle block logits)}], "jobs": [{"prompts": [...], "params":
 [SamplingParams kwargs, one per prompt]}]}. Per engine: the token ids of
 every job's outputs, finish reasons, the runner's counters, which model runner
 class vLLM built.
@@ -118,7 +120,20 @@ def inject(fault: str | None) -> None:
         raise ValueError(f"unknown fault {fault!r}")
 
 
-def run_engine(engine: dict, jobs: list[dict], census: bool = False) -> dict:
+def install_block_oracle(llm, engine: dict, previous: dict):
+    """``"block_oracle": {"from": ENGINE, ...}``: DDTree over DFlash with the drafter's
+    block logits replaced by ``oracle_drafter.BlockLogitsOracle`` holding ENGINE's
+    (an earlier no-speculation engine's) greedy continuations."""
+    from oracle_drafter import BlockLogitsOracle
+
+    options = dict(engine["block_oracle"])
+    source = previous[options.pop("from")]
+    refs = {tuple(o["prompt"]): o["prompt"] + o["tokens"] for job in source["jobs"] for o in job}
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    return BlockLogitsOracle(refs, **options).install(runner)
+
+
+def run_engine(engine: dict, jobs: list[dict], census: bool = False, previous: dict | None = None) -> dict:
     import contextlib
     import gc
 
@@ -135,6 +150,7 @@ def run_engine(engine: dict, jobs: list[dict], census: bool = False) -> dict:
 
         TreeRunnerV2Mixin.tree_impl = engine.get("tree_impl") or "auto"
     llm = LLM(**engine["kwargs"])
+    oracle = install_block_oracle(llm, engine, previous) if engine.get("block_oracle") else None
     steps, counted = [], contextlib.nullcontext([])
     if census:
         from spec_plugins.host_reads_v2 import census_v2_runner_steps
@@ -151,11 +167,16 @@ def run_engine(engine: dict, jobs: list[dict], census: bool = False) -> dict:
             params = [SamplingParams(**p) for p in job["params"]]
             outs = llm.generate(job["prompts"], params, use_tqdm=False)
             result["jobs"].append([{"tokens": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason,
+                                    "prompt": list(o.prompt_token_ids),
                                     "logprobs": o.outputs[0].logprobs is not None} for o in outs])
             job_of_step += [index] * (len(steps) - len(job_of_step))
     if census:
         result["steps"] = [{"job": j, "num_reqs": s.num_reqs, "decode": s.decode, "drafts": s.drafts,
                             **s.counts.to_json()} for j, s in zip(job_of_step, steps)]
+    if oracle is not None:
+        from dataclasses import asdict
+
+        result["oracle"] = asdict(oracle.stats)
     if "additional_config" in engine["kwargs"]:
         result["stats"] = llm.collective_rpc("spec_tree_stats")[0]
     if "speculative_config" in engine["kwargs"]:
@@ -179,7 +200,9 @@ def main() -> None:
         from spec_plugins.host_reads_v2 import install_v2_census
 
         install_v2_census()
-    out = {e["name"]: run_engine(e, spec["jobs"], spec.get("census", False)) for e in spec["engines"]}
+    out = {}
+    for e in spec["engines"]:
+        out[e["name"]] = run_engine(e, spec["jobs"], spec.get("census", False), out)
     print("V2_RESULT " + json.dumps(out), flush=True)
 
 

