@@ -80,21 +80,7 @@ class BlockTreeDecoder(TreeDecoder):
         """DDTree decoding (topk = 1, num_nodes = L: the drafter's chain).
         temperature 0: token-identical to ``greedy``; > 0: distributed as ``sample``."""
         shape = BlockShape(self.drafter.c.num_masks, topk, num_nodes)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        sampling = Sampling.create(temperature, top_k, top_p, seed) if temperature > 0 else None
-        out = Output(tokens=[])
-        state = self._prefill(torch.as_tensor(prompt_ids, dtype=torch.long), sampling, out)
-        while len(out.tokens) < max_new_tokens and not (stop_at_eos and out.tokens[-1] == self.eos):
-            emitted = self.step(state, shape, sampling, out.timer)
-            out.accept_lengths.append(len(emitted) - 1)
-            out.tokens.extend(emitted)
-            if stop_at_eos and self.eos in emitted:
-                break
-        if stop_at_eos and self.eos in out.tokens:
-            out.tokens = out.tokens[: out.tokens.index(self.eos) + 1]
-        out.tokens = out.tokens[:max_new_tokens]
-        return out
+        return self._speculate(prompt_ids, shape, max_new_tokens, stop_at_eos, temperature, top_p, top_k, seed)
 
     def step(self, state: _BlockState, shape: BlockShape, sampling: Sampling | None, timer) -> list[int]:
         with timer.section("draft_block"):

@@ -309,6 +309,11 @@ class TreeDecoder:
         temperature / top_p / top_k (randoms from a generator seeded by ``seed``;
         None: a fresh seed)."""
         shape = TreeShape(num_steps, topk, num_draft_tokens)
+        return self._speculate(prompt_ids, shape, max_new_tokens, stop_at_eos, temperature, top_p, top_k, seed)
+
+    def _speculate(self, prompt_ids, shape, max_new_tokens: int, stop_at_eos: bool, temperature: float,
+                   top_p: float, top_k: int, seed: int | None) -> Output:
+        """Prefill, then ``step`` until ``max_new_tokens`` or EOS (any shape ``step`` takes)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         sampling = Sampling.create(temperature, top_k, top_p, seed) if temperature > 0 else None

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spec_plugins.heads.eagle_head import MLP, RMSNorm, rope
+from spec_plugins.heads.eagle_head import MLP, RMSNorm, rope, write_checkpoint
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -222,17 +222,8 @@ class DFlashDrafter(nn.Module):
 
     # -- checkpoints ----------------------------------------------------------
     def save(self, folder: Path, dtype=torch.float32, extra: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        cfg = self.c.engine_config()
-        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-        if extra:
-            cfg["spec_plugins"].update(extra)
-        (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         weights = {k: t.detach().to(dtype).contiguous() for k, t in self.state_dict().items() if k != "mask_embedding"}
-        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        folder = write_checkpoint(folder, self.c.engine_config(), weights, dtype, extra)
         torch.save({"mask_token_id": self.c.mask_token_id, "embedding": self.mask_embedding.detach().to(dtype).clone()},
                    folder / MASK_EMBEDDING_FILE)
 

@@ -119,6 +119,21 @@ class HeadConfig:
         )
 
 
+def write_checkpoint(folder: Path, cfg: dict, weights: dict, dtype: torch.dtype, extra: dict | None = None) -> Path:
+    """An engine checkpoint folder: config.json (``cfg`` with torch_dtype and
+    ``extra`` merged into its "spec_plugins" entry) and model.safetensors."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {**cfg, "torch_dtype": str(dtype).replace("torch.", "")}
+    if extra:
+        cfg["spec_plugins"] = {**cfg["spec_plugins"], **extra}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -302,16 +317,7 @@ class EagleHead(nn.Module):
         return sd
 
     def save(self, folder: Path, dtype=torch.bfloat16, extra_config: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        cfg = self.c.engine_config()
-        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-        if extra_config:
-            cfg["spec_plugins"].update(extra_config)
-        (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        save_file(self.engine_state_dict(dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})
+        write_checkpoint(folder, self.c.engine_config(), self.engine_state_dict(dtype), dtype, extra_config)
 
     @classmethod
     def load(cls, folder: Path, dtype=torch.float32) -> "EagleHead":

