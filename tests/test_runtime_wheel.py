@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REPO_ONLY_PACKAGES = ("spec_plugins.heads", "spec_plugins.kernel_bench", "spec_plugins.models", "spec_plugins.prompts",
                       "spec_plugins.training")
 REPO_ONLY_MODULES = ("spec_plugins.vllm_bench", "spec_plugins.bench_noise", "spec_plugins.acceptance_bench",
-                     "spec_plugins.reference_decoder", "spec_plugins.sglang_ext._testing",
-                     "spec_plugins.support_table")
+                     "spec_plugins.reference_decoder", "spec_plugins.block_decoder", "spec_plugins.block_bench",
+                     "spec_plugins.sglang_ext._testing", "spec_plugins.support_table")
 
 
 def repo_only(module: str) -> bool:
@@ -209,7 +209,7 @@ def test_editable_install_still_sees_the_repository_parts(tmp_path):
             assert spec is not None and spec.origin.startswith({str(tmp_path / "src")!r}), (m, spec)
         import spec_plugins
         heads = __import__("pathlib").Path(spec_plugins.__file__).parent / "heads"
-        assert len(list(heads.glob("*/model.safetensors"))) == 2
+        assert len(list(heads.glob("*/model.safetensors"))) == 3  # EAGLE-3, EAGLE-1, DFlash
         print("ok")
     """)
     site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
