@@ -208,7 +208,7 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     settings = settings_with_spec_tokens(extra[SPEC_TREE_KEY], spec.get("num_speculative_tokens"))
     engine_args.additional_config = {**extra, SPEC_TREE_KEY: settings.as_dict()}
     if spec.get("method") == BLOCK_DRAFTER_METHOD:
-        check_block_drafter(settings, spec.get("model"))
+        check_block_drafter(settings, spec.get("model"), spec.get("draft_sample_method"))
     elif spec.get("method") not in (None, *VLLM_METHODS):
         raise TreeConfigError(
             f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), or "
@@ -256,7 +256,8 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
 BLOCK_DRAFTER_METHOD = "dflash"  # DDTree trees over vLLM's DFlash drafter (runner_v2 + speculator_dflash_v2)
 
 
-def check_block_drafter(settings: TreeSettings, drafter: str | None = None) -> None:
+def check_block_drafter(settings: TreeSettings, drafter: str | None = None,
+                        draft_sample_method: str | None = None) -> None:
     """spec_tree with method 'dflash': the shape is (L = the drafter's query block
     of mask rows, K tokens per position, T = verify width); refused by name
     before anything loads where the V2 DDTree speculator cannot serve it."""
@@ -269,7 +270,18 @@ def check_block_drafter(settings: TreeSettings, drafter: str | None = None) -> N
         raise TreeConfigError("spec_tree budget='auto' is not supported with method 'dflash': the budget's menu "
                               "drafts EAGLE trees level by level, a DFlash drafter runs one block of fixed length per "
                               "step; give a fixed shape (num_steps = the block's mask rows L, topk, num_draft_tokens)")
+    if draft_sample_method not in (None, "greedy"):
+        raise TreeConfigError(f"speculative_config draft_sample_method={draft_sample_method!r} is not supported with "
+                              f"spec_tree and method 'dflash': the trees take each position's top-K tokens (the "
+                              f"drafts are deterministic), so vLLM's draft-probability buffers would go unused; "
+                              f"leave it 'greedy'")
     shape = settings.shape
+    if shape.num_steps > shape.num_draft_tokens - 1:
+        raise TreeConfigError(f"spec_tree num_steps={shape.num_steps} with method 'dflash' and num_draft_tokens="
+                              f"{shape.num_draft_tokens}: a tree of {shape.num_draft_tokens - 1} drafts never reaches "
+                              f"below depth {shape.num_draft_tokens - 1}, and the drafter's 1 + num_steps query rows "
+                              f"must fit the T slots vLLM schedules per request; set num_steps <= "
+                              f"{shape.num_draft_tokens - 1}")
     try:
         stk.validate_block_tree_shape(shape.num_steps, shape.topk, shape.num_draft_tokens - 1)
     except ValueError as e:

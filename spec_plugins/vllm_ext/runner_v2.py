@@ -191,7 +191,9 @@ class TreeRunnerV2Mixin:
         install_uniform_trees(self.uniform_trees)
         self.block_drafter = vllm_config.speculative_config.method == "dflash"  # DDTree over vLLM's DFlash
         if self.block_drafter:
-            from .speculator_dflash_v2 import TreeDFlashSpeculatorV2
+            from .speculator_dflash_v2 import TreeDFlashSpeculatorV2, check_plain_dflash
+
+            check_plain_dflash(vllm_config.speculative_config.draft_model_config)
 
             self.speculator = TreeDFlashSpeculatorV2(vllm_config, self.device, self)
         else:

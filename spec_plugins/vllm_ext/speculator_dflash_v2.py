@@ -19,7 +19,7 @@ the tree's ``num_steps``. DFlash derives its query count, its sampling
 buffers and its captured graphs' sizes from ``num_speculative_steps``
 (``DraftModelSpeculator``: num_speculative_tokens), so this subclass sets it
 to L after vLLM's constructor and rebuilds what DFlash sized from it; no
-vLLM code is patched (``seams.DFLASH_SPECULATOR`` names what is relied on).
+vLLM code is patched (``seams.V2_DFLASH`` names what is relied on).
 
 Before DFlash's own ``propose`` runs, a step that verified trees is
 committed as for EAGLE trees (``TreeSpeculatorStateMixin._commit_walk``):
@@ -42,15 +42,37 @@ from .errors import TreeConfigError
 from .speculator_v2 import TreeSpeculatorStateMixin
 
 
+# Drafters vLLM runs with another speculator under method 'dflash' (spec_decode.init_speculator picks by
+# architecture; vLLM 0.32: LiLiCorr, DFlash2; 0.33 adds DFlash2Beam and XPress): trees subclass the plain
+# DFlashSpeculator only.
+OTHER_DFLASH_SPECULATOR_ARCHITECTURES = ("LiLiCorrDraftModel", "DFlash2DraftModel", "DFlash2BeamDraftModel",
+                                         "Qwen3XPressModel", "DFlashQwen3XPressModel")
+
+
+def check_plain_dflash(draft_model_config) -> None:
+    """Refuse a 'dflash' drafter vLLM would not run with its plain DFlashSpeculator."""
+    archs = list(getattr(draft_model_config, "architectures", None) or [])
+    other = [a for a in archs if a in OTHER_DFLASH_SPECULATOR_ARCHITECTURES]
+    if other:
+        raise TreeConfigError(f"spec_tree with method 'dflash' drafts trees over vLLM's plain DFlash drafter; the "
+                              f"drafter {getattr(draft_model_config, 'model', '?')} is {other[0]}, which vLLM runs "
+                              f"with another speculator; drop spec_tree for it")
+
+
 class TreeDFlashSpeculatorV2(TreeSpeculatorStateMixin, DFlashSpeculator):
     _speculator_name = "DFlash (spec_tree DDTree)"
 
     def __init__(self, vllm_config, device, runner):
+        shape = runner.tree_settings.shape
+        # before vLLM's constructor: vLLM 0.33's calls _num_graph_context_tokens (FULL decode graphs)
+        self.block_nodes = shape.num_draft_tokens - 1
+        self.block_topk_k = shape.topk
         super().__init__(vllm_config, device)  # sized for T - 1 steps: draft_tokens [max_num_reqs, T - 1] stays
         self._init_tree_state(runner, device)
-        shape = runner.tree_settings.shape
-        self.block_topk_k = shape.topk
-        self.block_nodes = shape.num_draft_tokens - 1
+        if shape.num_steps > self.block_nodes:  # config.check_block_drafter refuses it first; a direct build here
+            raise TreeConfigError(f"spec_tree num_steps={shape.num_steps} above num_draft_tokens - 1 = "
+                                  f"{self.block_nodes} with method 'dflash': the drafter's query rows would not fit "
+                                  f"the slots vLLM schedules per request")
         block = getattr(self.draft_model_config.hf_config, "block_size", None)  # the drafter's trained block
         if block is not None and shape.num_steps > block - 1:
             raise TreeConfigError(f"spec_tree num_steps={shape.num_steps} with method 'dflash': the drafter "
@@ -101,7 +123,7 @@ class TreeDFlashSpeculatorV2(TreeSpeculatorStateMixin, DFlashSpeculator):
                                      is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
         finally:
             self._dummy = False  # a graph capture (``capture``) records the parents' write
-        if not dummy_run:
+        if not dummy_run and num_speculative_tokens != 0:  # 0: vLLM skips this step's drafts (0.33's skip_drafts)
             self.tree_runner.tree_stats.block_tree_steps += 1
         return drafts
 

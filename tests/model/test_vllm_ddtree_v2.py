@@ -184,3 +184,27 @@ def test_refused_block_longer_than_the_drafters(monkeypatch):
 def test_accepted_shape_sets_t_minus_1_spec_tokens(monkeypatch):
     settings = _prepare(ddtree_kwargs(), v2=True, monkeypatch=monkeypatch)
     assert settings.shape.num_steps == MASK_ROWS and settings.num_spec_tokens == SHAPE[2] - 1
+
+
+def test_refused_block_deeper_than_the_tree(monkeypatch):
+    """L above T - 1: the drafter's 1 + L query rows would pass the T slots vLLM schedules per request."""
+    with pytest.raises(TreeConfigError, match=f"num_steps={MASK_ROWS} with method 'dflash' and num_draft_tokens=5"):
+        _prepare(ddtree_kwargs(shape=(MASK_ROWS, 4, 5)), v2=True, monkeypatch=monkeypatch)
+
+
+def test_refused_with_probabilistic_draft_sampling(monkeypatch):
+    kwargs = ddtree_kwargs()
+    kwargs["speculative_config"] = {**kwargs["speculative_config"], "draft_sample_method": "probabilistic"}
+    with pytest.raises(TreeConfigError, match="draft_sample_method='probabilistic'"):
+        _prepare(kwargs, v2=True, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("arch", ["DFlash2DraftModel", "LiLiCorrDraftModel", "DFlashQwen3XPressModel"])
+def test_refused_for_drafters_vllm_runs_with_another_speculator(arch):
+    from types import SimpleNamespace
+
+    from spec_plugins.vllm_ext.speculator_dflash_v2 import check_plain_dflash
+
+    check_plain_dflash(SimpleNamespace(architectures=["DFlashDraftModel"], model="plain"))  # served
+    with pytest.raises(TreeConfigError, match=f"is {arch}, which vLLM runs with another speculator"):
+        check_plain_dflash(SimpleNamespace(architectures=[arch], model="other"))
