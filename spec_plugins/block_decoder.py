@@ -31,12 +31,8 @@ from dataclasses import dataclass
 import torch
 
 import spec_tree_kernels as stk
-from spec_plugins.reference_decoder import Output, Sampling, TreeDecoder, _Tree
+from spec_plugins.reference_decoder import Output, Sampling, Target, TreeDecoder, _Tree
 from spec_plugins.tree_drafting import block_topk, block_trees
-
-# The target layers whose INPUT the decoder records: the outputs of the drafter's
-# target_layer_ids (vLLM reads DFlash's layer id i as the input of layer i + 1).
-
 
 @dataclass
 class BlockShape:
@@ -67,10 +63,9 @@ class _BlockState:
 class BlockTreeDecoder(TreeDecoder):
     def __init__(self, target_model, drafter, impl: str = "torch"):
         self.drafter = drafter.eval()
-        aux_layers = [i + 1 for i in drafter.c.target_layer_ids]
-        from spec_plugins.reference_decoder import Target
-
-        self.target = Target(target_model, aux_layers)
+        # the target records the INPUT of layer i + 1 for each of the drafter's target_layer_ids i
+        # (their outputs, as vLLM reads DFlash's layer ids)
+        self.target = Target(target_model, [i + 1 for i in drafter.c.target_layer_ids])
         self.impl = impl
         self.eos = target_model.config.eos_token_id
 

@@ -28,7 +28,7 @@ public z-lab checkpoints use, so ``save`` writes a folder vLLM loads as
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -244,6 +244,3 @@ class DFlashDrafter(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{folder}: missing {missing}, unexpected {unexpected}")
         return drafter
-
-    def config_dict(self) -> dict:
-        return asdict(self.c)

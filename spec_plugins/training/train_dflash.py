@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from spec_plugins.heads import drafter_path
 from spec_plugins.heads.dflash_head import DFlashConfig, DFlashDrafter
 from spec_plugins.training.gap import SHIPPED_SEQUENCES
-from spec_plugins.training.train import by_domain_of, lr_schedule, make_batches, split_indices
+from spec_plugins.training.train import by_domain_of, collate, lr_schedule, make_batches, split_indices
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,24 +87,6 @@ def load_records(sequences: Path, num_sequences: int, seed: int) -> list[dict]:
     torch.save({"aux_layers": list(data_mod.EAGLE3_AUX_LAYERS), "records": records}, cache.with_suffix(".tmp"))
     cache.with_suffix(".tmp").rename(cache)
     return records
-
-
-def collate(records, batch):
-    """ids [B, S], length [B], prompt_len [B], aux [B, S, n, H] fp32, final [B, S, H] fp32 (zero padded)."""
-    S = max(len(records[i]["ids"]) for i in batch)
-    first = records[batch[0]]
-    n_aux, H = first["aux"].shape[1:]
-    ids = torch.zeros(len(batch), S, dtype=torch.long)
-    length = torch.zeros(len(batch), dtype=torch.long)
-    prompt_len = torch.zeros(len(batch), dtype=torch.long)
-    aux = torch.zeros(len(batch), S, n_aux, H)
-    final = torch.zeros(len(batch), S, H)
-    for b, i in enumerate(batch):
-        r = records[i]
-        n = len(r["ids"])
-        ids[b, :n], length[b], prompt_len[b] = r["ids"].long(), n, r["prompt_len"]
-        aux[b, :n], final[b, :n] = r["aux"].float(), r["final"].float()
-    return ids, length, prompt_len, aux, final
 
 
 def sample_anchors(length, prompt_len, num_anchors: int, gen: torch.Generator) -> torch.Tensor:

