@@ -58,22 +58,35 @@ def repository_part(module: str, needed_for: str):
 
 
 SHIPPED_HEADS = ("eagle3", "eagle1")  # the keys of spec_plugins.heads.SHIPPED (repository only; a test ties them)
+SHIPPED_BLOCK_DRAFTERS = ("dflash",)  # the keys of spec_plugins.heads.BLOCK_DRAFTERS (the same test)
 
 
 def resolve_heads(names: list[str]) -> list[tuple[str, str]]:
-    """["eagle3", "/path/head"] -> [(kind, folder)]; kind read from the folder's config."""
+    """["eagle3", "dflash", "/path/head"] -> [(kind, folder)]; kind read from the folder's
+    config: "dflash" for a DFlash block drafter (its ``dflash_config``), else the EAGLE kind."""
     from spec_plugins.vllm_ext.config import head_method
 
     out = []
     for name in names:
         folder = Path(name)
-        if name in SHIPPED_HEADS:
-            folder = repository_part("spec_plugins.heads", f"the shipped head {name!r} (or pass a head folder)"
-                                     ).head_path(name)
-        if not (Path(folder) / "config.json").is_file():
+        if name in SHIPPED_HEADS or name in SHIPPED_BLOCK_DRAFTERS:
+            heads = repository_part("spec_plugins.heads", f"the shipped head {name!r} (or pass a head folder)")
+            folder = heads.head_path(name) if name in SHIPPED_HEADS else heads.drafter_path(name)
+        config = Path(folder) / "config.json"
+        if not config.is_file():
             raise SystemExit(f"spec-plugins: head {name!r}: no config.json in {folder}")
-        out.append(("eagle3" if head_method(str(folder)) == "eagle3" else "eagle1", str(folder)))
+        if "dflash_config" in json.loads(config.read_text()):
+            out.append(("dflash", str(folder)))
+        else:
+            out.append(("eagle3" if head_method(str(folder)) == "eagle3" else "eagle1", str(folder)))
     return out
+
+
+def block_shapes(folder: str) -> list[tuple]:
+    """A DFlash drafter's default bench shapes: its chain (L = block - 1 mask rows),
+    DDTree at the chain's verify width, and DDTree at 4x that width."""
+    L = json.loads((Path(folder) / "config.json").read_text())["block_size"] - 1
+    return [(L, 1, L + 1), (L, 4, L + 1), (L, 8, 4 * (L + 1))]
 
 
 def load_prompts(path: str | None, num_prompts: int, model: str) -> list[tuple[str, str]]:
@@ -168,7 +181,7 @@ def configs_for(heads, shapes, engine_chains: bool = False, budget_menus=()):
         if engine_chains:
             configs += [SpecConfig(head=folder, kind=kind, shape=s, engine_chain=True) for s in shapes if s[1] == 1]
         configs += [SpecConfig(head=folder, kind=kind, shape=s) for s in shapes]
-        for menu in budget_menus or ():
+        for menu in (budget_menus or ()) if kind != "dflash" else ():  # a DFlash block has no budget menu
             largest = max((m for m in parse_menu(menu) if m is not None), key=lambda m: m.num_draft_tokens)
             configs.append(SpecConfig(head=folder, kind=kind, budget_menu=menu,
                                       shape=(largest.num_steps, largest.topk, largest.num_draft_tokens)))
@@ -310,15 +323,24 @@ def cmd_bench(args) -> int:
         except ValueError as e:
             print(f"spec-plugins: {e}")
             return 2
-    heads = args.heads or (FULL_HEADS if args.full else BENCH_HEADS)
+    heads = resolve_heads(args.heads or (FULL_HEADS if args.full else BENCH_HEADS))
     shapes = args.shapes or [parse_shape(s) for s in (FULL_SHAPES if args.full else BENCH_SHAPES)]
+    if all(kind == "dflash" for kind, _ in heads) and not args.shapes:
+        shapes = block_shapes(heads[0][1])
+    if any(kind == "dflash" for kind, _ in heads):
+        from spec_plugins.vllm_ext.runner_choice import BLOCK_DRAFTER_V1_WHY, expects_v2_runner
+
+        if not expects_v2_runner():  # before any engine is built: the refusal would come from each DDTree engine
+            print(f"spec-plugins bench: a DFlash drafter's DDTree rows need vLLM's V2 model runner "
+                  f"({BLOCK_DRAFTER_V1_WHY})")
+            return 2
 
     warnings = bench_noise.busy_warnings()
     for line in warnings:
         print(f"spec-plugins bench: warning: {line}", file=sys.stderr, flush=True)
     model = args.model or default_model()
     prompts = load_prompts(args.prompts, args.num_prompts, model)
-    configs = configs_for(resolve_heads(heads), shapes, engine_chains=not args.no_engine_chain,
+    configs = configs_for(heads, shapes, engine_chains=not args.no_engine_chain,
                           budget_menus=args.budget)
     if rounds:
         results = vb.run_interleaved(configs, model, [t for _, t in prompts], args.max_tokens, args.concurrency,

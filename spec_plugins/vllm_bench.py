@@ -422,6 +422,7 @@ def summarize(base: RunResult, res: RunResult, cfg: SpecConfig, peer: RunResult 
         "vs_vllm_chain": round(paired_ratio(res, peer), 3) if peer and peer is not res else None,
         "drafts": res.drafts, "accepted": res.accepted,
         "tau": round(res.tau, 3) if res.tau else None,
+        "tau_vs_vllm_chain": round(res.tau / peer.tau, 3) if peer and peer is not res and peer.tau and res.tau else None,
         "tau_per_depth": [round(a / res.drafts, 3) if res.drafts else 0.0 for a in res.accepted_per_depth[:steps]],
     })
     if res.rounds:  # interleaved: the per-round ratios behind the medians
@@ -478,10 +479,10 @@ def table(rows: list[dict]) -> str:
     """The results table. tok/s is followed by its rounds' spread (interleaved
     runs); a ratio marked ~ is one whose rounds disagree by more than its
     distance from 1 (``bench_noise.unresolved``)."""
-    lines = ["| config | conc | temp | tok/s (rounds' spread) | vs no-spec | vs vLLM chain | tau | tau per depth | "
-             "step ms: target / head / ours (ours %) | t_V/t_T | c | decode vs no-spec | predicted | "
+    lines = ["| config | conc | temp | tok/s (rounds' spread) | vs no-spec | vs vLLM chain | tau | tau vs vLLM chain | "
+             "tau per depth | step ms: target / head / ours (ours %) | t_V/t_T | c | decode vs no-spec | predicted | "
              "measured / predicted | identical | host syncs ours / all, ops per step |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|:---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|:---:|---|"]
     for r in rows:
         cm, st = r.get("cost_model", {}), r.get("step_ms")
         depth = " ".join(f"{x:.2f}" for x in r.get("tau_per_depth", []))
@@ -492,7 +493,7 @@ def table(rows: list[dict]) -> str:
         vs_base = bench_noise.marked(r.get("speedup", 1.0), r.get("all_speedup"))
         lines.append(f"| {r['config']} | {r['concurrency']} | {r.get('temperature', 0.0):g} | {speed} | {vs_base} | "
                      f"{bench_noise.marked(r.get('vs_vllm_chain'), r.get('all_vs_vllm_chain'))} | "
-                     f"{r['tau'] if r.get('tau') else '-'} | {depth or '-'} | "
+                     f"{r['tau'] if r.get('tau') else '-'} | {r.get('tau_vs_vllm_chain') or '-'} | {depth or '-'} | "
                      f"{steps} | {cm.get('t_V_over_t_T', '-')} | {cm.get('c', '-')} | {r.get('decode_speedup', '-')} | "
                      f"{cm.get('predicted_speedup', '-')} | {cm.get('measured_over_predicted', '-')} | {same} | "
                      f"{census_cell(r.get('census'))} |")

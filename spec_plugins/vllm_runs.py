@@ -40,7 +40,7 @@ def _histogram(metrics, name) -> tuple[int, float]:
     return sum(m.count for m in found), sum(m.sum for m in found)
 
 
-METHOD_OF_KIND = {"eagle3": "eagle3", "eagle1": "eagle"}
+METHOD_OF_KIND = {"eagle3": "eagle3", "eagle1": "eagle", "dflash": "dflash"}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class SpecConfig:
     EAGLE chain of shape[0] tokens (no spec-plugins tree mode)."""
 
     head: str | None = None  # head folder
-    kind: str | None = None  # "eagle1" | "eagle3"
+    kind: str | None = None  # "eagle1" | "eagle3" | "dflash" (a block drafter: DDTree trees, V2 runner)
     shape: tuple | None = None  # (num_steps, topk, num_draft_tokens); topk 1 = chain
     engine_chain: bool = False
     budget_menu: str | None = None  # adaptive budget over this menu (shape: its largest entry)

@@ -9,6 +9,8 @@ differing round makes the row non-identical.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from spec_plugins import cli
@@ -208,6 +210,40 @@ def test_bench_defaults_are_the_interleaved_newcomer_set():
     assert cli.bench_rounds(cli.build_parser().parse_args(["bench", "--sequential"])) is None
     assert cli.bench_rounds(cli.build_parser().parse_args(["bench", "--concurrency", "1", "4", "8"])) == [3, 5, 5]
     assert "6,8,32" in cli.FULL_SHAPES and "eagle1" in cli.FULL_HEADS
+
+
+def test_bench_runs_a_dflash_drafter_as_vllms_chain_beside_ddtrees(tmp_path):
+    """Issue #52's bench row: a DFlash drafter folder (its ``dflash_config``) is the
+    "dflash" kind; its default shapes are its chain (L = block - 1) and DDTree at the
+    chain's verify width and at 4x it; vLLM's own DFlash chain is the peer; no budget
+    (refused for block drafters)."""
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "block_size": 16,
+                                                    "dflash_config": {"mask_token_id": 5}}))
+    heads = cli.resolve_heads([str(folder)])
+    assert heads == [("dflash", str(folder))]
+    assert cli.block_shapes(str(folder)) == [(15, 1, 16), (15, 4, 16), (15, 8, 64)]
+    configs = cli.configs_for(heads, cli.block_shapes(str(folder)), engine_chains=True, budget_menus=[cli.BENCH_MENU])
+    assert [c.name for c in configs] == ["no-spec", "vllm dflash chain(15)", "dflash chain(15)",
+                                         "dflash tree(15,4,16)", "dflash tree(15,8,64)"]
+    assert vb.peer_of(configs[3], configs) == configs[1]
+    assert vb.spec_kwargs(configs[1]) == {"speculative_config": {"method": "dflash", "model": str(folder),
+                                                                 "num_speculative_tokens": 15}}
+    assert vb.spec_kwargs(configs[3])["additional_config"]["spec_tree"] == {"num_steps": 15, "topk": 4,
+                                                                            "num_draft_tokens": 16}
+
+
+def test_the_table_shows_tau_against_vllms_chain():
+    base = vb.RunResult(name="no-spec", tokens=[[1, 2]], generated=2, seconds=1.0)
+    chain = vb.RunResult(name="vllm dflash chain(7)", tokens=[[1, 2]], generated=2, seconds=1.0, drafts=10, accepted=2)
+    tree = vb.RunResult(name="dflash tree(7,4,8)", tokens=[[1, 2]], generated=2, seconds=1.0, drafts=10, accepted=5)
+    chain_cfg = vb.SpecConfig(head="/d", kind="dflash", shape=(7, 1, 8), engine_chain=True)
+    row = vb.summarize(base, tree, vb.SpecConfig(head="/d", kind="dflash", shape=(7, 4, 8)), chain)
+    assert row["tau"] == 1.5 and row["tau_vs_vllm_chain"] == round(1.5 / 1.2, 3)
+    assert vb.summarize(base, chain, chain_cfg, chain)["tau_vs_vllm_chain"] is None  # the peer itself
+    header, _, line = vb.table([row]).splitlines()
+    assert header.split("|").index(" tau vs vLLM chain ") == line.split("|").index(f" {round(1.5 / 1.2, 3)} ")
 
 
 def test_the_table_shows_the_census_when_there_is_one():

@@ -220,8 +220,9 @@ def test_editable_install_still_sees_the_repository_parts(tmp_path):
 
 def test_cli_knows_the_shipped_head_names_without_the_heads_package():
     """cli keeps the shipped head names (the wheel has no spec_plugins.heads):
-    they must stay those of spec_plugins.heads.SHIPPED."""
+    they must stay those of spec_plugins.heads.SHIPPED and BLOCK_DRAFTERS."""
     from spec_plugins import cli
-    from spec_plugins.heads import SHIPPED
+    from spec_plugins.heads import BLOCK_DRAFTERS, SHIPPED
 
     assert set(cli.SHIPPED_HEADS) == set(SHIPPED)
+    assert set(cli.SHIPPED_BLOCK_DRAFTERS) == set(BLOCK_DRAFTERS)

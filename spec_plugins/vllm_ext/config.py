@@ -269,7 +269,9 @@ def check_block_drafter(settings: TreeSettings, drafter: str | None = None,
     if settings.menu is not None:
         raise TreeConfigError("spec_tree budget='auto' is not supported with method 'dflash': the budget's menu "
                               "drafts EAGLE trees level by level, a DFlash drafter runs one block of fixed length per "
-                              "step; give a fixed shape (num_steps = the block's mask rows L, topk, num_draft_tokens)")
+                              "step, and V2 verifies the T slots it schedules per request whatever the budget, so a "
+                              "smaller node budget would only drop candidates and save nothing; give a fixed shape "
+                              "(num_steps = the block's mask rows L, topk, num_draft_tokens)")
     if draft_sample_method not in (None, "greedy"):
         raise TreeConfigError(f"speculative_config draft_sample_method={draft_sample_method!r} is not supported with "
                               f"spec_tree and method 'dflash': the trees take each position's top-K tokens (the "

@@ -36,8 +36,9 @@ them in a device buffer indexed like V2's request states
 With ``speculative_config.method == "dflash"`` the speculator is
 ``TreeDFlashSpeculatorV2`` (``speculator_dflash_v2.py``): step 3's commit is
 the same, then vLLM's DFlash drafter runs its one block forward and DDTree's
-best-first tree is built from its mask rows' top-K (greedy requests; sampled
-ones are served without speculation).
+best-first tree is built from its mask rows' top-K. The tree is the same for
+greedy and sampled requests: the sampled walk (target-only rejection) needs no
+draft probabilities, only drafts that do not depend on the target's draw.
 
 Requests that may not be speculated (``requests.params_allow_speculation``,
 a logits processor that applies, or a seed: V2 keys a seeded request's draws
@@ -294,8 +295,6 @@ class TreeRunnerV2Mixin:
                 # seeded sampled requests stay with V2's sampler, which keys their draws by seed and
                 # position: reproducible, and the same tokens as without speculation
                 kind = {SamplingType.GREEDY: GREEDY, SamplingType.RANDOM: SAMPLED}.get(p.sampling_type, NO_TREE)
-                if kind == SAMPLED and self.block_drafter:  # DDTree's sampled verification is untested on V2:
-                    kind = NO_TREE  # served by V2's sampler without speculation, as a seeded request is
             self.tree_kind[index] = kind
 
     def _processors_apply(self, index: int, params) -> bool:

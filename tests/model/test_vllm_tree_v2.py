@@ -198,25 +198,33 @@ def sampled_runs() -> dict:
     return run_child({"engines": engines, "jobs": [job]})
 
 
-def first_tokens(run) -> Counter:
-    return Counter(tuple(o["tokens"][:FIRST_TOKENS]) for o in run["jobs"][0])
+def first_tokens(run, job: int = 0) -> Counter:
+    return Counter(tuple(o["tokens"][:FIRST_TOKENS]) for o in run["jobs"][job])
 
 
-def test_sampled_trees_keep_the_target_distribution(sampled_runs):
-    plain, tree = first_tokens(sampled_runs["none"]), first_tokens(sampled_runs["tree"])
-    assert sum(tree.values()) == SAMPLES  # every request answered (some end at EOS before FIRST_TOKENS)
+def assert_same_sampled_distribution(plain: Counter, tree: Counter, what: str) -> None:
+    """Two-sample chi-square on the first FIRST_TOKENS tokens' joint outcomes."""
+    assert sum(tree.values()) == sum(plain.values())  # every request answered (some end at EOS early)
     stat, dof, p = chisquare.two_sample(plain, tree, min_count=POOL_BELOW)
-    assert p > 1e-3, (f"first {FIRST_TOKENS} tokens differ with V2 tree speculation: chi2={stat:.1f}, dof={dof}, "
+    assert p > 1e-3, (f"first {FIRST_TOKENS} tokens differ with {what}: chi2={stat:.1f}, dof={dof}, "
                       f"p={p:.2e}; plain {plain.most_common(6)}; tree {tree.most_common(6)}")
 
 
-def test_the_sampled_check_rejects_a_near_greedy_sample(sampled_runs):
+def assert_check_rejects_a_near_greedy_sample(plain: Counter) -> None:
     """What the check above must catch (e.g. the temperature dropped): the same
     test against a sample of one outcome, the most common one, fails."""
-    plain = first_tokens(sampled_runs["none"])
     assert len(plain) >= 3, f"too few distinct outcomes to test anything: {plain.most_common(5)}"
-    greedy_like = Counter({plain.most_common(1)[0][0]: SAMPLES})
+    greedy_like = Counter({plain.most_common(1)[0][0]: sum(plain.values())})
     assert chisquare.two_sample(plain, greedy_like, min_count=POOL_BELOW)[2] < 1e-3
+
+
+def test_sampled_trees_keep_the_target_distribution(sampled_runs):
+    assert_same_sampled_distribution(first_tokens(sampled_runs["none"]), first_tokens(sampled_runs["tree"]),
+                                     "V2 tree speculation")
+
+
+def test_the_sampled_check_rejects_a_near_greedy_sample(sampled_runs):
+    assert_check_rejects_a_near_greedy_sample(first_tokens(sampled_runs["none"]))
 
 
 def test_sampled_trees_accept_drafts(sampled_runs):

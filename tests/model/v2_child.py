@@ -133,6 +133,15 @@ def install_block_oracle(llm, engine: dict, previous: dict):
     return BlockLogitsOracle(refs, **options).install(runner)
 
 
+def spec_counters(llm) -> dict:
+    """vLLM's own speculative metrics so far (cumulative over the engine's jobs)."""
+    from spec_plugins.heads.vllm_check import _metric
+
+    metrics = llm.get_metrics()
+    return {"drafts": _metric(metrics, "vllm:spec_decode_num_drafts") or 0,
+            "accepted": _metric(metrics, "vllm:spec_decode_num_accepted_tokens") or 0}
+
+
 def run_engine(engine: dict, jobs: list[dict], census: bool = False, previous: dict | None = None) -> dict:
     import contextlib
     import gc
@@ -170,6 +179,9 @@ def run_engine(engine: dict, jobs: list[dict], census: bool = False, previous: d
                                     "prompt": list(o.prompt_token_ids),
                                     "logprobs": o.outputs[0].logprobs is not None} for o in outs])
             job_of_step += [index] * (len(steps) - len(job_of_step))
+            if "additional_config" in engine["kwargs"]:  # cumulative counters after each job
+                result.setdefault("after_job", []).append({"stats": llm.collective_rpc("spec_tree_stats")[0],
+                                                           "spec": spec_counters(llm)})
     if census:
         result["steps"] = [{"job": j, "num_reqs": s.num_reqs, "decode": s.decode, "drafts": s.drafts,
                             **s.counts.to_json()} for j, s in zip(job_of_step, steps)]
@@ -180,11 +192,7 @@ def run_engine(engine: dict, jobs: list[dict], census: bool = False, previous: d
     if "additional_config" in engine["kwargs"]:
         result["stats"] = llm.collective_rpc("spec_tree_stats")[0]
     if "speculative_config" in engine["kwargs"]:
-        from spec_plugins.heads.vllm_check import _metric
-
-        metrics = llm.get_metrics()
-        result["spec"] = {"drafts": _metric(metrics, "vllm:spec_decode_num_drafts") or 0,
-                          "accepted": _metric(metrics, "vllm:spec_decode_num_accepted_tokens") or 0}
+        result["spec"] = spec_counters(llm)
     del llm
     gc.collect()
     result["seconds"] = round(time.monotonic() - started, 1)
