@@ -11,6 +11,7 @@ REPOSITORY_ONLY = {
     ("spec_plugins", "bench_noise"),
     ("spec_plugins", "block_bench"),
     ("spec_plugins", "block_decoder"),
+    ("spec_plugins", "cpu_v2_interpreter"),
     ("spec_plugins", "reference_decoder"),
     ("spec_plugins", "support_table"),
     ("spec_plugins", "vllm_bench"),

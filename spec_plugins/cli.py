@@ -313,6 +313,8 @@ def bench_rounds(args) -> list[int] | None:
 
 
 def cmd_bench(args) -> int:
+    if args.v2_interpreter:  # before anything imports vLLM or Triton
+        repository_part("spec_plugins.cpu_v2_interpreter", "spec-plugins bench --v2-interpreter").enable()
     vb = repository_part("spec_plugins.vllm_bench", "spec-plugins bench")
     bench_noise = repository_part("spec_plugins.bench_noise", "spec-plugins bench")
 
@@ -332,7 +334,7 @@ def cmd_bench(args) -> int:
 
         if not expects_v2_runner():  # before any engine is built: the refusal would come from each DDTree engine
             print(f"spec-plugins bench: a DFlash drafter's DDTree rows need vLLM's V2 model runner "
-                  f"({BLOCK_DRAFTER_V1_WHY})")
+                  f"({BLOCK_DRAFTER_V1_WHY}; on vLLM-CPU: --v2-interpreter)")
             return 2
 
     warnings = bench_noise.busy_warnings()
@@ -366,7 +368,7 @@ def cmd_bench(args) -> int:
             "repeats": args.repeats, "interleave": rounds, "warmup_rounds": args.warmup_rounds if rounds else 0,
             "temperatures": args.temperatures,
             "sampled_top_p": vb.SAMPLED_TOP_P, "concurrency": args.concurrency, "load": args.load,
-            "engine": _engine_version(), "warnings": warnings}
+            "engine": _engine_version(), "v2_interpreter": args.v2_interpreter, "warnings": warnings}
     vb.write_report(rows, meta, Path(args.out), summary)
     print(vb.table(rows))
     print(f"spec-plugins bench: wrote {args.out}/results.json, results.md, bench.png")
@@ -571,6 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sequential", action="store_true",
                        help="one engine at a time instead, each configuration once (or --repeats times): less "
                             "memory, but a drift of the machine's speed lands in the ratios unseen")
+    bench.add_argument("--v2-interpreter", action="store_true",
+                       help="vLLM-CPU: every engine on Model Runner V2 under Triton's interpreter (on a CPU, what "
+                            "DDTree over a DFlash drafter runs on); one engine at a time (--sequential); tau and "
+                            "identity mean what they mean anywhere, tok/s compares only rows of the same run")
     bench.add_argument("--repeats", type=int, default=1,
                        help="with --sequential: run every configuration this many times (alternating order), keep "
                             "the fastest")
@@ -618,6 +624,11 @@ def main(argv=None) -> int:
     if getattr(args, "warmup_rounds", 0) < 0:
         print(f"spec-plugins: --warmup-rounds must be >= 0, got {args.warmup_rounds}")
         return 2
+    if getattr(args, "v2_interpreter", False):
+        if args.interleave:
+            print("spec-plugins: --v2-interpreter runs one engine at a time in this process; drop --interleave")
+            return 2
+        args.sequential = True
     if getattr(args, "sequential", False) and args.interleave:
         print("spec-plugins: --sequential and --interleave exclude each other")
         return 2

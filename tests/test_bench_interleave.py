@@ -10,6 +10,7 @@ differing round makes the row non-identical.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -232,6 +233,25 @@ def test_bench_runs_a_dflash_drafter_as_vllms_chain_beside_ddtrees(tmp_path):
                                                                  "num_speculative_tokens": 15}}
     assert vb.spec_kwargs(configs[3])["additional_config"]["spec_tree"] == {"num_steps": 15, "topk": 4,
                                                                             "num_draft_tokens": 16}
+
+
+def test_v2_interpreter_runs_one_engine_at_a_time(monkeypatch, capsys):
+    """--v2-interpreter (vLLM-CPU's V2 under Triton's interpreter, in this process) is
+    sequential, refuses --interleave, and must come before vLLM or Triton is imported."""
+    from spec_plugins import cpu_v2_interpreter
+
+    assert cli.main(["bench", "--v2-interpreter", "--interleave", "3"]) == 2
+    assert "drop --interleave" in capsys.readouterr().out
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_bench", lambda args: seen.setdefault("args", args) and 0)
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser._subparsers._group_actions[0].choices["bench"].set_defaults(func=cli.cmd_bench)
+    cli.main(["bench", "--v2-interpreter"])
+    assert seen["args"].sequential is True and cli.bench_rounds(seen["args"]) is None
+    monkeypatch.setitem(sys.modules, "vllm", object())
+    with pytest.raises(RuntimeError, match="before vllm"):
+        cpu_v2_interpreter.enable()
 
 
 def test_the_table_shows_tau_against_vllms_chain():

@@ -8,7 +8,7 @@ The "ddtree" engine drafts with the shipped, trained drafter
 the oracle engines use a random drafter (``dflash_drafter``) whose block
 logits the oracle replaces (``oracle_drafter.BlockLogitsOracle``) so that trees hold the true
 continuation, at rank 0 or under a wrong rank-0 sibling: deep acceptance and
-sibling rejection. Jobs: a batch of 4 with a stop token and a prompt
+sibling rejection. Jobs: a batch of 8 with stop tokens and strings and a prompt
 chunked over steps that verify trees, then one request alone. Every greedy
 output must equal no speculation token for token. Then SAMPLES sampled
 requests of one prompt (temperature 0.7, min-p 0.02) on the shipped drafter's
@@ -47,11 +47,14 @@ from spec_plugins.vllm_ext.errors import TreeConfigError  # noqa: E402
 NEWLINE = 198  # SmolLM2's "\n"
 # the last prompt is longer than a step's token budget: its chunks share steps with the others' trees
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "List three colors:",
-           "Repeat after me: " + " ".join(["alpha beta gamma"] * 60)]
+           "Repeat after me: " + " ".join(["alpha beta gamma"] * 60),
+           "def add(a, b):", "Count from one to five:", "Write a haiku about the sea.", "The opposite of hot is"]
 BATCH_PARAMS = [dict(temperature=0, max_tokens=32, stop=["\n"]),
                 dict(temperature=0, max_tokens=32, stop_token_ids=[NEWLINE]),
-                dict(temperature=0, max_tokens=24), dict(temperature=0, max_tokens=8)]
-ENGINE_SIZE = {"max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4,
+                dict(temperature=0, max_tokens=24), dict(temperature=0, max_tokens=8),
+                dict(temperature=0, max_tokens=16), dict(temperature=0, max_tokens=12, stop=["five"]),
+                dict(temperature=0, max_tokens=16), dict(temperature=0, max_tokens=4)]
+ENGINE_SIZE = {"max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8,
                "max_num_batched_tokens": 128}
 SHAPE = (MASK_ROWS, 4, 16)  # L = the drafter's 7 mask rows, top-4 per position, 15 drafts + the root
 SAMPLES = 40  # sampled requests per engine (V2 runs under Triton's interpreter here: see test_vllm_tree_v2)

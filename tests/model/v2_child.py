@@ -35,43 +35,9 @@ import json
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
-os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from spec_plugins import cpu_v2_interpreter  # imports no engine
 
-
-def install_triton_cpu_stand_in() -> None:
-    """Register a Triton "cpu" backend whose driver says it is active: what
-    vLLM-CPU checks before it allows Model Runner V2. Kernels still run under
-    TRITON_INTERPRET=1 (the interpreter never asks the backend to compile)."""
-    import torch
-    from triton.backends import Backend, backends
-    from triton.backends.compiler import BaseBackend
-    from triton.backends.driver import DriverBase
-
-    class InterpreterDriver(DriverBase):
-        @classmethod
-        def is_active(cls):
-            return True
-
-        def get_current_target(self):
-            return None
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_benchmarker(self):
-            return None
-
-        def map_python_to_cpp_type(self, ty):
-            return ty
-
-    class InterpreterCompiler(BaseBackend):
-        @staticmethod
-        def supports_target(target):  # compiles nothing: Triton's backend choice passes it by
-            return False
-
-    backends.setdefault("cpu", Backend(compiler=InterpreterCompiler, driver=InterpreterDriver))
+os.environ.update(cpu_v2_interpreter.ENV)  # before vLLM or Triton is imported
 
 
 def keep_async_scheduling() -> None:
@@ -201,7 +167,7 @@ def run_engine(engine: dict, jobs: list[dict], census: bool = False, previous: d
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    install_triton_cpu_stand_in()
+    cpu_v2_interpreter.install_triton_cpu_stand_in()
     if spec.get("force_async"):
         keep_async_scheduling()
     if spec.get("census"):
