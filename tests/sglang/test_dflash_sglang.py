@@ -60,28 +60,16 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 import spec_tree_kernels as stk  # noqa: E402
-from spec_plugins import engine_versions  # noqa: E402
 from spec_plugins.heads import drafter_path  # noqa: E402
 from spec_plugins.heads.dflash_head import MASK_EMBEDDING_FILE, DFlashConfig, DFlashDrafter  # noqa: E402
 from spec_plugins.sglang_ext import config  # noqa: E402
 from spec_plugins.tree_drafting import block_topk, block_trees  # noqa: E402
+from test_plugin_registration import ckpt, clean_env  # noqa: E402, F401 - its fixtures: config-only checkpoints, the user's knobs unset
 
 pytestmark = pytest.mark.sglang
 
 DRAFTER = drafter_path("dflash")
 DRAFTER_CONFIG = json.loads((DRAFTER / "config.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return _testing.write_tiny_checkpoint_configs(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    monkeypatch.delenv(config.VARIANT_ENV, raising=False)
-    monkeypatch.delenv(config.MASK_MODE_ENV, raising=False)
-    monkeypatch.delenv(engine_versions.ALLOW_UNTESTED_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +156,28 @@ def test_sglangs_dflash_still_resolves_with_our_plugin(ckpt):
     with pytest.raises(ValueError, match=f"{config.MASK_MODE_FLAG} 'QLEN_ONLY' applies to --speculative-algorithm "
                                          "EAGLE_TREE only"):  # fmt: skip
         parse_cli(ckpt, DRAFTER, "DFLASH", "--device", "cuda", config.MASK_MODE_FLAG, "QLEN_ONLY")
+
+
+def test_sglangs_dflash_path_is_one_chain_as_the_refusal_says(ckpt):
+    """The facts ``config.block_drafter_refusal`` states: SGLang's DFlash
+    resolution turns a tree's topk (and steps) into 1; its worker verifies
+    with no tree mask and accepts with the chain rule; the functions it names
+    exist in this SGLang."""
+    import inspect
+    import pkgutil
+
+    view = resolved_view(parse_cli(ckpt, DRAFTER, "DFLASH", "--device", "cuda", "--speculative-num-steps", "3",
+                                   "--speculative-eagle-topk", "4"))  # fmt: skip
+    assert (view.speculative_num_steps, view.speculative_eagle_topk) == (1, 1)
+    verify_source = inspect.getsource(DFlashWorkerV2.forward_batch_generation)
+    assert "custom_mask = None" in verify_source and "GrammarTree.from_linear_chain(draft_tokens)" in verify_source
+    assert "compute_dflash_correct_drafts_and_bonus" in inspect.getsource(DFlashWorkerV2._accept_block)
+    message = config.block_drafter_refusal("p", "e")
+    named = re.findall(r"\b_?[a-z]+(?:_[a-z0-9]+)+\b", message.split("DFlashWorkerV2")[1].split("DDTree")[0])
+    assert named == ["_greedy_sample_from_vocab_parallel_head", "custom_mask", "compute_dflash_correct_drafts_and_bonus"]
+    assert callable(DFlashWorkerV2._greedy_sample_from_vocab_parallel_head)
+    assert callable(sgl_dflash_ops.compute_dflash_correct_drafts_and_bonus)
+    assert pkgutil.resolve_name("sglang.srt.speculative.dflash_worker_v2:DFlashWorkerV2") is DFlashWorkerV2
 
 
 # ------------------------------------- module-level equivalences with SGLang
