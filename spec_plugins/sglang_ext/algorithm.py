@@ -200,8 +200,8 @@ def handle_speculative_decoding_hook(server_args, previous):
 
 def resolve_head_variant(server_args) -> str:
     """EAGLE or EAGLE3 (the user's SPEC_PLUGINS_EAGLE_TREE_VARIANT, else the
-    head's config; a DFlash block drafter is refused either way), recorded in the server args for every process SGLang
-    hands them to."""
+    head's config; a DFlash block drafter is refused either way), recorded
+    in the server args for every process SGLang hands them to."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     requested = requested_variant()
