@@ -64,7 +64,8 @@ from spec_plugins.heads import drafter_path  # noqa: E402
 from spec_plugins.heads.dflash_head import MASK_EMBEDDING_FILE, DFlashConfig, DFlashDrafter  # noqa: E402
 from spec_plugins.sglang_ext import config  # noqa: E402
 from spec_plugins.tree_drafting import block_topk, block_trees  # noqa: E402
-from test_plugin_registration import ckpt, clean_env  # noqa: E402, F401 - its fixtures: config-only checkpoints, the user's knobs unset
+# its fixtures: config-only checkpoints, and the user's knobs unset
+from test_plugin_registration import ckpt, clean_env  # noqa: E402, F401
 
 pytestmark = pytest.mark.sglang
 
@@ -174,7 +175,9 @@ def test_sglangs_dflash_path_is_one_chain_as_the_refusal_says(ckpt):
     assert "compute_dflash_correct_drafts_and_bonus" in inspect.getsource(DFlashWorkerV2._accept_block)
     message = config.block_drafter_refusal("p", "e")
     named = re.findall(r"\b_?[a-z]+(?:_[a-z0-9]+)+\b", message.split("DFlashWorkerV2")[1].split("DDTree")[0])
-    assert named == ["_greedy_sample_from_vocab_parallel_head", "custom_mask", "compute_dflash_correct_drafts_and_bonus"]
+    assert named == [
+        "_greedy_sample_from_vocab_parallel_head", "custom_mask", "compute_dflash_correct_drafts_and_bonus",
+    ]  # fmt: skip
     assert callable(DFlashWorkerV2._greedy_sample_from_vocab_parallel_head)
     assert callable(sgl_dflash_ops.compute_dflash_correct_drafts_and_bonus)
     assert pkgutil.resolve_name("sglang.srt.speculative.dflash_worker_v2:DFlashWorkerV2") is DFlashWorkerV2
@@ -224,7 +227,8 @@ def test_sglangs_block_rows_are_our_drafters_query_rows(drafter):
     cache_loc = torch.empty_like(block_ids)
     sgl_dflash_ops._prepare_dflash_draft_block_unchecked(
         bonus_tokens=bonus, prefix_lens=prefix, req_pool_indices=torch.tensor([2, 0, 3]), req_to_token=req_to_token,
-        block_ids_out=block_ids, positions_out=positions, cache_loc_out=cache_loc, mask_token_id=drafter.c.mask_token_id,
+        block_ids_out=block_ids, positions_out=positions, cache_loc_out=cache_loc,
+        mask_token_id=drafter.c.mask_token_id,
     )  # fmt: skip
     for row in range(3):
         tokens, pos = drafter.block_query(int(bonus[row]), int(prefix[row]))
@@ -267,16 +271,19 @@ def test_sglangs_greedy_block_is_the_top1_of_our_block_topk(drafter):
     ``draft_block`` is the same chain, so DDTree's top-1 path is SGLang's."""
     gen = torch.Generator().manual_seed(1)
     H, V = drafter.c.hidden_size, drafter.c.vocab_size
-    lm_head = torch.nn.Linear(H, V, bias=False)
-    torch.nn.init.normal_(lm_head.weight, std=0.05, generator=gen)
-    drafter.attach_target(torch.randn(V, H, generator=gen) * 0.05, lm_head.weight)
+    embed = torch.randn(V, H, generator=gen) * 0.05
     features = torch.randn(9, len(drafter.c.target_layer_ids), H, generator=gen)
-    for bonus in (3, 1000):
-        hidden = drafter.block_hidden(features, bonus)
-        with torch.no_grad():
-            sgl = DFlashWorkerV2._greedy_sample_from_vocab_parallel_head(None, hidden_states=hidden[1:], lm_head=lm_head)
-        values, tokens = block_topk(drafter.draft_block(features, bonus)[None], 4)
-        assert torch.equal(tokens[0, :, 0], sgl)
+    hidden = drafter.attach_target(embed, embed).block_hidden(features, bonus=1000)
+    # A target head under which each block row has its own argmax (row i's
+    # direction at token 100 + 7 i), so a chain read from the wrong rows differs.
+    lm_head = torch.nn.Linear(H, V, bias=False)
+    torch.nn.init.normal_(lm_head.weight, std=0.01, generator=gen)
+    with torch.no_grad():
+        lm_head.weight[100 + 7 * torch.arange(len(hidden))] = torch.nn.functional.normalize(hidden, dim=-1)
+        sgl = DFlashWorkerV2._greedy_sample_from_vocab_parallel_head(None, hidden_states=hidden[1:], lm_head=lm_head)
+    assert torch.equal(sgl, 100 + 7 * torch.arange(1, len(hidden)))  # the mask rows' own tokens
+    values, tokens = block_topk(drafter.attach_target(embed, lm_head.weight).draft_block(features, bonus=1000)[None], 4)
+    assert torch.equal(tokens[0, :, 0], sgl)
 
 
 def sglang_chain_accept_triton(candidates, target_predict):
