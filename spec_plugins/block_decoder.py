@@ -63,9 +63,8 @@ class _BlockState:
 class BlockTreeDecoder(TreeDecoder):
     def __init__(self, target_model, drafter, impl: str = "torch"):
         self.drafter = drafter.eval()
-        # the target records the INPUT of layer i + 1 for each of the drafter's target_layer_ids i
-        # (their outputs, as vLLM reads DFlash's layer ids)
-        self.target = Target(target_model, [i + 1 for i in drafter.c.target_layer_ids])
+        # the target records the outputs of the drafter's target_layer_ids (inputs of the next layers)
+        self.target = Target(target_model, drafter.c.capture_layers)
         self.impl = impl
         self.eos = target_model.config.eos_token_id
 

@@ -62,6 +62,13 @@ class DFlashConfig:
     def num_masks(self) -> int:
         return self.block_size - 1
 
+    @property
+    def capture_layers(self) -> list:
+        """The target layers whose INPUT is a context feature: the output of
+        layer i is the input of layer i + 1 (vLLM's and SGLang's reading of
+        ``target_layer_ids``)."""
+        return [i + 1 for i in self.target_layer_ids]
+
     def engine_config(self) -> dict:
         """config.json as vLLM's DFlash loader reads it."""
         return {
@@ -203,21 +210,35 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self._target["lm_head"].to(hidden.dtype))
 
+    def block_query(self, bonus: int, start: int, num_masks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request's query rows: the bonus token at position ``start`` (the
+        committed length) then ``num_masks`` mask tokens (default block_size - 1)
+        at start + 1..; (tokens, positions) [1, num_masks + 1] int64."""
+        K = self.c.num_masks if num_masks is None else num_masks
+        device = self.fc.weight.device
+        tokens = torch.full((1, K + 1), self.c.mask_token_id, dtype=torch.long, device=device)
+        tokens[0, 0] = bonus
+        return tokens, torch.arange(start, start + K + 1, device=device)[None]
+
+    @torch.no_grad()
+    def block_hidden(self, features: torch.Tensor, bonus: int, num_masks: int | None = None) -> torch.Tensor:
+        """The drafter's last hidden states [K + 1, H] of one request's block
+        (``block_query``: row 0 the bonus, rows 1..K the masks): features
+        [S, n, H] of positions 0..S-1, every row seeing all context and query rows."""
+        S = features.shape[0]
+        device = self.fc.weight.device
+        tokens, positions = self.block_query(bonus, S, num_masks)
+        visible = torch.ones(1, tokens.shape[1], S + tokens.shape[1], dtype=torch.bool, device=device)
+        return self(self.context(features[None].to(device)), torch.arange(S, device=device)[None], tokens, positions,
+                    visible)[0]
+
     @torch.no_grad()
     def draft_block(self, features: torch.Tensor, bonus: int, num_masks: int | None = None) -> torch.Tensor:
         """One request's block, as vLLM drafts it: features [S, n, H] of positions
         0..S-1, the bonus token at position S. Returns log-probs [K, V] of the
         tokens at positions S+1..S+K (K = ``num_masks``, default block_size - 1),
-        float32 or wider."""
-        K = self.c.num_masks if num_masks is None else num_masks
-        S = features.shape[0]
-        device = self.fc.weight.device
-        tokens = torch.full((1, K + 1), self.c.mask_token_id, dtype=torch.long, device=device)
-        tokens[0, 0] = bonus
-        visible = torch.ones(1, K + 1, S + K + 1, dtype=torch.bool, device=device)
-        hidden = self(self.context(features[None].to(device)), torch.arange(S, device=device)[None], tokens,
-                      torch.arange(S, S + K + 1, device=device)[None], visible)
-        logits = self.logits(hidden[0, 1:])
+        float32 or wider: the mask rows' outputs (the bonus row's is unused)."""
+        logits = self.logits(self.block_hidden(features, bonus, num_masks)[1:])
         return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
 
     # -- checkpoints ----------------------------------------------------------

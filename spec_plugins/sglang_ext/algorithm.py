@@ -20,6 +20,8 @@ from .config import (
     MASK_MODE_FLAG,
     MASK_MODE_RECORD,
     OUR_BACKENDS,
+    block_drafter_evidence,
+    block_drafter_refusal,
     check_torch_backend_device,
     detect_variant,
     mask_mode_source,
@@ -124,17 +126,17 @@ def published_mask_mode_flag():
     return getattr(server_args, MASK_MODE_RECORD, None)
 
 
-def read_draft_architectures(view) -> list:
-    """The draft head's ``architectures``, read with the arguments SGLang loads
-    the draft model's config with (``ModelConfig.from_server_args`` for a
-    draft), so we read the config SGLang will serve."""
+def read_draft_config(view):
+    """The draft head's config, read with the arguments SGLang loads the draft
+    model's config with (``ModelConfig.from_server_args`` for a draft), so we
+    read the config SGLang will serve."""
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     kwargs = {}
     config_file = view.decrypted_draft_config_file
     if config_file and config_file.strip():
         kwargs["_configuration_file"] = config_file.strip()
-    config = get_config(
+    return get_config(
         view.speculative_draft_model_path,
         trust_remote_code=view.trust_remote_code,
         revision=view.speculative_draft_model_revision,
@@ -142,23 +144,29 @@ def read_draft_architectures(view) -> list:
         model_config_parser=view.model_config_parser,
         **kwargs,
     )
-    return list(getattr(config, "architectures", None) or [])
 
 
-def detect_head_variant(view) -> str:
-    """EAGLE / EAGLE3 from the head's config; ValueError naming the path when
-    it cannot be read (a guess would load the wrong draft model: an EAGLE-3
-    head's fc takes 3 x hidden)."""
+def checked_draft_config(view, variant_requested: bool):
+    """The draft head's config; refuses a DFlash block drafter (ValueError
+    naming the path and why). Unreadable: ValueError naming the path, unless
+    the user named the variant (SGLang then reports the path when it loads
+    the draft; None here)."""
     path, revision = view.speculative_draft_model_path, view.speculative_draft_model_revision
     try:
-        architectures = read_draft_architectures(view)
+        draft_config = read_draft_config(view)
     except Exception as err:  # noqa: BLE001 - re-raised with the path and the reason
+        if variant_requested:
+            return None
+        # a guess would load the wrong draft model: an EAGLE-3 head's fc takes 3 x hidden
         raise ValueError(
             f"{ALGORITHM_NAME}: cannot read the draft head's config from --speculative-draft-model-path {path!r}"
             f"{f' (revision {revision!r})' if revision else ''} to tell an EAGLE from an EAGLE-3 head: "
             f"{type(err).__name__}: {err}"
         ) from err
-    return detect_variant(architectures)
+    evidence = block_drafter_evidence(draft_config)
+    if evidence is not None:
+        raise ValueError(block_drafter_refusal(path, evidence))
+    return draft_config
 
 
 # ------------------------------------------------------------ resolution
@@ -192,11 +200,13 @@ def handle_speculative_decoding_hook(server_args, previous):
 
 def resolve_head_variant(server_args) -> str:
     """EAGLE or EAGLE3 (the user's SPEC_PLUGINS_EAGLE_TREE_VARIANT, else the
-    head's config), recorded in the server args for every process SGLang
-    hands them to."""
+    head's config; a DFlash block drafter is refused either way), recorded
+    in the server args for every process SGLang hands them to."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    variant = requested_variant() or detect_head_variant(resolving_view(server_args))
+    requested = requested_variant()
+    draft_config = checked_draft_config(resolving_view(server_args), requested is not None)
+    variant = requested or detect_variant(getattr(draft_config, "architectures", None) or [])
     setattr(server_args, VARIANT_RECORD, variant)
     return variant
 

@@ -185,6 +185,55 @@ def detect_variant(architectures: Iterable[str]) -> str:
     return head_kind_of_architectures(architectures).sglang_algorithm
 
 
+# --------------------------------------------- DFlash block drafters (issue 52)
+
+# SGLang 0.5.23's DFlash-family draft models: the ``EntryClass`` of
+# sglang/srt/models/{dflash,dspark,lilicorr,dspark_minimax}.py, every one a
+# ``DFlashDraftModel`` subclass, which SGLang loads by the checkpoint's
+# ``architectures`` for ``--speculative-algorithm DFLASH`` / ``DSPARK``
+# (tests/sglang/test_dflash_sglang.py diffs this tuple against those modules).
+SGLANG_BLOCK_DRAFTER_ARCHITECTURES = (
+    "DFlashDraftModel", "DFlashLagunaForCausalLM", "MuseGlimmerAssistantModel", "DFlash2DraftModel",
+    "DFlash2BeamDraftModel", "MiniMaxDFlash2DraftModel", "Qwen3DSparkModel", "LingDSparkModel", "DSparkDraftModel",
+    "LiLiCorrDraftModel", "DSparkMiniMaxDraftModel",
+)  # fmt: skip
+# The config field SGLang's DFlash config parser reads its block fields from
+# (``dflash_utils._get_dflash_config`` / ``parse_dflash_draft_config``).
+BLOCK_DRAFTER_CONFIG_KEY = "dflash_config"
+
+
+def _config_field(config, key: str):
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+
+def block_drafter_evidence(config) -> Optional[str]:
+    """What marks a draft checkpoint's config (a dict or a transformers config)
+    as a DFlash block drafter, as SGLang would load it; None for an EAGLE head."""
+    names = [str(a) for a in _config_field(config, "architectures") or ()]
+    family = [a for a in names if a in SGLANG_BLOCK_DRAFTER_ARCHITECTURES]
+    if family:
+        return f"architectures {family}"
+    if _config_field(config, BLOCK_DRAFTER_CONFIG_KEY) is not None:
+        return f"a {BLOCK_DRAFTER_CONFIG_KEY} entry"
+    return None
+
+
+def block_drafter_refusal(path: str, evidence: str) -> str:
+    """The startup error for EAGLE_TREE given a DFlash drafter: what SGLang's
+    DFlash worker does that a DDTree tree would have to change."""
+    return (
+        f"{ALGORITHM_NAME}: --speculative-draft-model-path {path!r} is a DFlash block drafter ({evidence}); "
+        f"--speculative-algorithm {ALGORITHM_NAME} cannot serve it on SGLang 0.5.23. {ALGORITHM_NAME} runs SGLang's "
+        "EAGLE worker, which drafts one tree level per draft forward over the draft model's own KV cache; a block "
+        "drafter runs in SGLang's DFlash worker (dflash_worker_v2.DFlashWorkerV2), which drafts one chain: each "
+        "block position's argmax (_greedy_sample_from_vocab_parallel_head), a causal verify of exactly block-size "
+        "tokens (custom_mask=None) and prefix acceptance (compute_dflash_correct_drafts_and_bonus). DDTree needs "
+        "each position's top-K, a tree-masked verify of --speculative-num-draft-tokens nodes and the accepted "
+        "path's KV compacted, inside that worker. Use --speculative-algorithm DFLASH for the drafter's chain, or "
+        "vLLM (spec_tree with speculative_config method 'dflash') for DDTree trees"
+    )
+
+
 def requested_variant(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     raw = environ.get(VARIANT_ENV, "").strip().upper()
     if not raw:
@@ -208,6 +257,10 @@ __all__ = [
     "OUR_BACKEND_MODES",
     "TORCH_BACKEND_REFUSED_DEVICES",
     "VARIANT_ENV",
+    "BLOCK_DRAFTER_CONFIG_KEY",
+    "SGLANG_BLOCK_DRAFTER_ARCHITECTURES",
+    "block_drafter_evidence",
+    "block_drafter_refusal",
     "check_torch_backend_device",
     "detect_variant",
     "device_type",

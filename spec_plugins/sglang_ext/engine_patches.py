@@ -87,7 +87,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("sglang.srt.model_executor.cuda_graph_config:with_phase", "srt/model_executor/cuda_graph_config.py",
          "disable CUDA graphs for spec_tree"),
     Seam("sglang.srt.utils.hf_transformers_utils:get_config", "srt/utils/hf_transformers_utils.py",
-         "read the draft head's config (EAGLE vs EAGLE3)"),
+         "read the draft head's config (EAGLE vs EAGLE3; a DFlash block drafter is refused)"),
     Seam("sglang.srt.runtime_context:get_spec", "srt/runtime_context.py", "speculative config in workers"),
     Seam("sglang.srt.layers.attention.attention_registry:register_attention_backend",
          "srt/layers/attention/attention_registry.py", "register spec_tree / spec_tree_triton"),
