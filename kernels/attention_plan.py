@@ -297,10 +297,18 @@ def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Te
     block_size, Hkv, D] views -> (k_t [B, nb, Hkv, D, bs], v [B, nb, Hkv, bs, D])
     float32. Where the engine stores K transposed per block (vLLM-CPU's fp32
     layout) each gathered K block is one contiguous copy. A ``TiledKV`` (AMX)
-    gathers its blocks in logical order first (``kv_layout``)."""
-    k_t = k_cache[blocks].permute(0, 1, 3, 4, 2) if isinstance(k_cache, TiledKV) else k_cache.permute(0, 2, 3, 1)[blocks]
-    v = v_cache[blocks].permute(0, 1, 3, 2, 4) if isinstance(v_cache, TiledKV) else v_cache.permute(0, 2, 1, 3)[blocks]
-    return k_t.float(), v.float()
+    gathers its blocks in logical order first (``kv_layout``), then is made
+    contiguous as the strided gather is (same values, same matmuls: the same
+    bits as a strided cache holding them)."""
+    if isinstance(k_cache, TiledKV):
+        k_t = k_cache[blocks].permute(0, 1, 3, 4, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    else:
+        k_t = k_cache.permute(0, 2, 3, 1)[blocks].float()
+    if isinstance(v_cache, TiledKV):
+        v = v_cache[blocks].permute(0, 1, 3, 2, 4).to(torch.float32, memory_format=torch.contiguous_format)
+    else:
+        v = v_cache.permute(0, 2, 1, 3)[blocks].float()
+    return k_t, v
 
 
 def scores_over_blocks(rows: torch.Tensor, k_t: torch.Tensor) -> torch.Tensor:

@@ -220,3 +220,46 @@ def test_bf16_engines_speculate_in_this_cpus_layout(prompts, monkeypatch, shape)
     assert drafts > 0, "no tree step ran"
     amx = torch.cpu._is_amx_tile_supported()
     assert len(isas) == 1 and ("amx" in isas) == amx, f"layouts served: {isas} (AMX tiles on this CPU: {amx})"
+
+
+def test_tiled_views_through_a_bf16_tree_engine_change_no_token(prompts, monkeypatch):
+    """``TiledKV`` end to end on any CPU: the layout vLLM picks here,
+    re-described as tiles of 16 tokens x 2 dims (every index of a TiledKV
+    used: a true description of the same bytes), so every tree row, draft step
+    and accepted-path KV move of a bf16 tree engine goes through TiledKV
+    views. Greedy tokens must equal the same engine's on plain views. (vLLM's
+    own kernels keep reading their layout: only our views change.)"""
+    from vllm import LLM, SamplingParams
+
+    from spec_plugins.vllm_ext import attention_cpu
+
+    real_fit = attention_cpu._fit_tiles
+
+    def as_tiles(loc):  # the strided fit (t_o = d_i = 1) split into 16-token, 2-dim tiles
+        t_i, d_i, s_to, s_ti, s_do, s_di = real_fit(loc)
+        assert (t_i, d_i) == (loc.shape[0], 1), "this CPU's layout is tiled already"
+        return 16, 2, 16 * s_ti, s_ti, 2 * s_do, s_do
+
+    served = []
+    real_views = attention_cpu.cpu_kv_views
+    monkeypatch.setattr(attention_cpu, "cpu_kv_views",
+                        lambda kv, isa: served.append(real_views(kv, isa)) or served[-1])
+    tokens = {}
+    for tiled in (False, True):
+        attention_cpu._cpu_kv_tiles.cache_clear()  # probed per process: each engine probes again
+        if tiled:
+            monkeypatch.setattr(attention_cpu, "_fit_tiles", as_tiles)
+        try:
+            llm = LLM(**tree_kwargs(dtype="bfloat16"))
+            outputs = llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.0))
+            drafts = _metric(llm.get_metrics(), "vllm:spec_decode_num_drafts") or 0
+            del llm
+            gc.collect()
+        finally:
+            attention_cpu._cpu_kv_tiles.cache_clear()
+        assert drafts > 0
+        tokens[tiled] = [list(o.outputs[0].token_ids) for o in outputs]
+        kinds = {type(view).__name__ for views in served for view in views}
+        assert kinds == ({"TiledKV"} if tiled else {"Tensor"}), kinds
+        served.clear()
+    assert tokens[True] == tokens[False]
