@@ -16,6 +16,10 @@ lies at::
     V: (d // 16) * 16 * block_size + (t // 2) * 32 + (d % 16) * 2 + t % 2
        (16-dim tiles; in each, token pairs: the B operand of P @ V)
 
+vLLM's AMX kernel reads the same tiles (csrc/cpu/cpu_attn_amx.hpp,
+``TileGemm224``: the second B tile starts k_size * 16 elements on for K, the
+next 16 tokens, and block_size * 16 on for V, the next 16 dims).
+
 Both are one pattern: token t = t_o * tile_tokens + t_i, dim d = d_o *
 tile_dims + d_i, each of t_o, t_i, d_o, d_i with a stride of its own.
 ``TiledKV`` holds that as one 6-D strided view [num_blocks, t_o, t_i, Hkv,
