@@ -1,7 +1,7 @@
 """The CPU features a run saw, as one line for the CI log (issue #50 item 1).
 
 vLLM-CPU picks kernels by CPU: on x86 with AMX tiles it gives MLA layers its
-AMX_MLA backend (bf16 weights only) and stores bf16 K in AMX's tiled layout;
+AMX_MLA backend (bf16 weights only) and stores bf16 K and V in AMX's tiles;
 with AVX-512 or only AVX2 it takes other paths (CPU_MLA, the "vec" layouts).
 ci/test.sh prints this line first, so a result can be read against the machine:
 

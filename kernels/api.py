@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from . import reference
+from .kv_layout import TiledKV
 from .modes import MAX_TREE_NODES, TreeMaskMode, max_nodes, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
 from .tree_shape import check_positive as _check_positive
@@ -508,7 +509,10 @@ def move_accepted_kv(
                   [num_blocks, block_size, H, D] (slot s lives at
                   [s // block_size, s % block_size]; any strides, e.g. vLLM's
                   flash layout ``kv[0]``, vLLM CPU's ``[blocks, H, bs, D]``
-                  permuted, SGLang's token pool ``[slots, H, D].unsqueeze(1)``).
+                  permuted, SGLang's token pool ``[slots, H, D].unsqueeze(1)``),
+                  or ``kv_layout.TiledKV`` (vLLM-CPU's AMX tiles): those
+                  are moved by the reference's indexing whatever ``impl``
+                  (the Triton and CUDA moves address strided views only).
     verify_slots: [B, T] int64 slot of each verify node.
     accept_index: [B, D + 1] int32/int64 node indices (root first, -1 padded).
     accept_length:[B] int32/int64 accepted draft nodes.
@@ -527,11 +531,17 @@ def move_accepted_kv(
         )
     caches = list(caches)
     for i, cache in enumerate(caches):
-        if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
-            raise ValueError(f"caches[{i}] must be a 4-D [num_blocks, block_size, H, D] tensor view")
+        if not isinstance(cache, (torch.Tensor, TiledKV)) or cache.dim() != 4:
+            raise ValueError(f"caches[{i}] must be a 4-D [num_blocks, block_size, H, D] tensor view or a TiledKV, "
+                             f"got {type(cache).__name__}")
         if cache.device != device:
             raise ValueError(f"caches[{i}] is on {cache.device}, verify_slots on {device}")
     if not caches or verify_slots.shape[0] == 0:
         return
     caches = distinct_views(caches)
-    _implementation("move_kv", impl, device).move_accepted_kv(caches, verify_slots, accept_index, accept_length)
+    tiled = [cache for cache in caches if isinstance(cache, TiledKV)]
+    if tiled:
+        reference.move_accepted_kv(tiled, verify_slots, accept_index, accept_length)
+        caches = [cache for cache in caches if not isinstance(cache, TiledKV)]
+    if caches:
+        _implementation("move_kv", impl, device).move_accepted_kv(caches, verify_slots, accept_index, accept_length)

@@ -87,6 +87,7 @@ from .attention_triton import (  # noqa: F401  (re-exported)
     triton,
 )
 from .api import resolve_impl
+from .kv_layout import refuse_tiled
 
 
 def tree_attention(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale=None, *, impl: str = "auto",
@@ -101,6 +102,7 @@ def tree_attention(q, k_cache, v_cache, block_table, context_lens, tree_mask, mo
     features = dict(window=window, sinks=sinks, soft_cap=soft_cap, alibi_slopes=alibi_slopes)
     which = resolve_impl("attention", impl, q.device)
     if which == "triton":
+        refuse_tiled("Triton", k_cache=k_cache, v_cache=v_cache)
         return tree_attention_triton(q, k_cache, v_cache, block_table, context_lens, tree_mask, mode, scale,
                                      **features)
     if which == "cpu":

@@ -67,6 +67,7 @@ import torch
 
 from . import cpu_attention
 from .api import resolve_impl
+from .kv_layout import TiledKV, refuse_tiled
 from .attention_reference import (NO_FEATURES, AttentionFeatures, _check_layer_inputs, _check_step_inputs,
                                   _default_scale, check_features, node_depths, softmax_with_sinks, token_positions,
                                   visible_positions)
@@ -223,6 +224,8 @@ class TreeAttentionPlan:
     def _triton_run(self, q, k_cache, v_cache, scale, out, features: AttentionFeatures = NO_FEATURES):
         from .attention_triton import plan_tree_attention, run_planned_attention, split_workspace
 
+        refuse_tiled("Triton", k_cache=k_cache, v_cache=v_cache)
+
         # the single-pass kernel, or the split kernel's merge, writes the caller's rows: no copy launch after
         if out is None or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -293,8 +296,19 @@ def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Te
     """K and V of ``blocks`` [B, nb] (int64 block ids) from [num_blocks,
     block_size, Hkv, D] views -> (k_t [B, nb, Hkv, D, bs], v [B, nb, Hkv, bs, D])
     float32. Where the engine stores K transposed per block (vLLM-CPU's fp32
-    layout) each gathered K block is one contiguous copy."""
-    return k_cache.permute(0, 2, 3, 1)[blocks].float(), v_cache.permute(0, 2, 1, 3)[blocks].float()
+    layout) each gathered K block is one contiguous copy. A ``TiledKV`` (AMX)
+    gathers its blocks in logical order first (``kv_layout``), then is made
+    contiguous as the strided gather is (same values, same matmuls: the same
+    bits as a strided cache holding them)."""
+    if isinstance(k_cache, TiledKV):
+        k_t = k_cache[blocks].permute(0, 1, 3, 4, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    else:
+        k_t = k_cache.permute(0, 2, 3, 1)[blocks].float()
+    if isinstance(v_cache, TiledKV):
+        v = v_cache[blocks].permute(0, 1, 3, 2, 4).to(torch.float32, memory_format=torch.contiguous_format)
+    else:
+        v = v_cache.permute(0, 2, 1, 3)[blocks].float()
+    return k_t, v
 
 
 def scores_over_blocks(rows: torch.Tensor, k_t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_layout import TiledKV
 from .modes import MODES, TREE_ATTENTION_MODES, TreeMaskMode, mask_dtype, parse_mask_mode
 
 SUPPORTED_MODES = TREE_ATTENTION_MODES  # the table in ``modes``
@@ -87,8 +88,10 @@ def _check_step_inputs(block_table, context_lens, tree_mask, mode, batch: int, n
 
 def _check_layer_inputs(q, k_cache, v_cache) -> None:
     """The per-layer inputs: queries and the layer's K/V cache views."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, t, 4, q.device if isinstance(q, torch.Tensor) else None)
+    device = q.device if isinstance(q, torch.Tensor) else None
+    _check_tensor("q", q, 4, device)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):  # a plain view or a TiledKV (kv_layout)
+        _check_tensor(name, t, 4, device, kinds=(torch.Tensor, TiledKV))
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -102,9 +105,10 @@ def _check_layer_inputs(q, k_cache, v_cache) -> None:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
 
 
-def _check_tensor(name: str, t, ndim: int, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def _check_tensor(name: str, t, ndim: int, device, kinds: tuple = (torch.Tensor,)) -> None:
+    if not isinstance(t, kinds):
+        names = " or ".join("torch.Tensor" if k is torch.Tensor else k.__name__ for k in kinds)
+        raise TypeError(f"{name} must be a {names}, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if device is not None and t.device != device:

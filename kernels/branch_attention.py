@@ -80,6 +80,7 @@ from .attention_reference import NO_FEATURES, AttentionFeatures, _default_scale,
 from .attention_triton import (_FEATURE_POINTERS, _QUERY_ROWS, _SPLITS, _add_sink, _attend_prefix, _chunk_len, _jit,
                                _next_pow2, _online_softmax_step, _window_start, feature_launch_args, launch_merge,
                                plan_tree_attention, require_triton, split_workspace, tl)
+from .kv_layout import refuse_tiled
 from .triton_launch import triton_interpreting
 
 TORCH_CHUNK_BYTES = 64 << 20  # torch path: temporaries of one context chunk (all requests)
@@ -384,6 +385,7 @@ class BranchAttentionPlan:
 
     def _run_triton(self, query, k_cache, v_cache, branch_k, branch_v, filled, ancestors, scale, out,
                     features: AttentionFeatures = NO_FEATURES) -> None:
+        refuse_tiled("Triton", k_cache=k_cache, v_cache=v_cache)
         R, K, hq, dim = query.shape
         block_size, hkv = k_cache.shape[1], k_cache.shape[2]
         key = (hq, hkv, dim, K, query.dtype, features.window)

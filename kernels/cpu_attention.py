@@ -125,8 +125,10 @@ def build_error() -> str | None:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The kernel serves this layer's call: built, CPU, float32 everywhere."""
-    return (_lib is not None and q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32)
+    """The kernel serves this layer's call: built, CPU, float32 everywhere,
+    strided cache views (a ``kv_layout.TiledKV`` goes the torch way)."""
+    return (_lib is not None and q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor))
 
 
 def _feature_pointers(q: torch.Tensor, soft_cap, sinks, alibi_slopes, positions=None):
@@ -291,7 +293,8 @@ def branch_supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     given): built, CPU, float32, in vLLM-CPU's fp32 layout (K transposed per
     block, V row-major) with block size and head dim multiples of 16."""
     block_size, dim = k_cache.shape[1], k_cache.shape[3]
-    return (_lib is not None and k_cache.device.type == "cpu" and k_cache.dtype == v_cache.dtype == torch.float32
+    return (_lib is not None and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+            and k_cache.device.type == "cpu" and k_cache.dtype == v_cache.dtype == torch.float32
             and k_cache.stride(1) == 1 and v_cache.stride(3) == 1 and block_size % 16 == 0 and dim % 16 == 0)
 
 

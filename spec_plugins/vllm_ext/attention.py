@@ -136,7 +136,7 @@ class BranchAttention:
         from spec_tree_kernels.branch_attention import BranchAttentionPlan
 
         R, hkv, dim = len(kv_lens), k_cache.shape[2], k_cache.shape[3]
-        scratch = k_cache.new_empty(2, R, branch_entries, hkv, dim)
+        scratch = torch.empty(2, R, branch_entries, hkv, dim, dtype=k_cache.dtype, device=k_cache.device)
         host = (resolve_impl("attention", impl, k_cache.device) == "cpu"
                 and cpu_attention.branch_supports(k_cache, v_cache))
         plan = BranchAttentionPlan.create(block_rows, kv_lens, max_kv_len, k_cache.shape[1], impl=impl)

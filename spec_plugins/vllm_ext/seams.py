@@ -338,7 +338,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{CPU_ATTN}:CPUAttentionMetadataBuilder", "layer.isa", "writes", "layer.isa = ",
          "the tree rows read the ISA vLLM stores on each layer", platform="cpu"),
     Seam("vllm._custom_ops", "cpu_attn_reshape_and_cache", "method", "key, value, key_cache, value_cache, "
-         "slot_mapping, isa, k_scale, v_scale, kv_cache_dtype", "probes the CPU K layout", platform="cpu"),
+         "slot_mapping, isa, k_scale, v_scale, kv_cache_dtype", "probes the CPU K/V layout (AMX's tiles included)",
+         platform="cpu"),
     # --- tree drafting on vLLM's head (proposer.py) and single-pass verify (attention.py) ------------------------
     Seam("vllm.config:VllmConfig", "num_lookahead_tokens", "attr", why="patched to 0 in tree mode: the tree "
          "drafter writes no KV past the verify rows", stage=REG),

@@ -13,9 +13,12 @@ the first request and everything in flight with it.
   (``REFUSED_LAYER_FEATURES``: sqrt-ALiBi; chunked local attention) are
   refused, and so is a KV cache in another dtype than the model's
   (``tree_attention`` requires cache dtype == query dtype).
-* The K layout of every cache the runner or the tree rows read is resolved
-  now: on CPU that runs the probe through vLLM's own cache-write op, which
-  refuses a tiled layout (AMX with bf16).
+* The K/V layout of every cache the runner or the tree rows read is resolved
+  now: on CPU that runs the probe through vLLM's own cache-write op. Strided
+  layouts ("vec", "vec16") give plain views, AMX's tiles (bf16 on a CPU with
+  AMX) ``TiledKV`` views (``spec_tree_kernels.kv_layout``: the torch paths of
+  the tree rows, the draft steps and the KV move read them); a layout that is
+  no tiling of strided tokens and dims is refused, naming the isa.
 
 Then ``warm_tree_kernels`` launches every Triton kernel variant serving can
 make (``spec_tree_kernels.startup.warm_up``), so none JIT-compiles inside a

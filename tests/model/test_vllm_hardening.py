@@ -169,19 +169,97 @@ def test_the_cases_mean_something(served):
     assert served["drafts"] > 0 and served["runner"]["not_speculated"] > 0  # some speculated, some not
 
 
-def test_tiled_cpu_k_layout_is_refused_at_startup(ban_plugin, monkeypatch):
-    """Finding 3. On an AMX CPU, bf16 with vLLM's default block size gets the
-    tiled 'amx' K layout for real. Elsewhere no CPU produces it, so the probe's
-    verdict is simulated (the only mock here: hardware this CPU lacks)."""
+def test_unaddressable_cpu_layout_is_refused_at_startup(monkeypatch):
+    """Finding 3, after issue #50 item 2: a K/V layout that is no tiling of
+    strided tokens and dims stops the engine at startup, naming the isa. No
+    vLLM layout is one (strided "vec"/"vec16", AMX's tiles), so the fit is
+    made to fail (the only mock here); the probe through vLLM's op runs for real."""
     from vllm import LLM
 
     from spec_plugins.vllm_ext import attention_cpu
 
-    if not torch.cpu._is_amx_tile_supported():
-        def tiled(isa, dtype, block_size, head_size):
-            raise RuntimeError(f"spec-plugins: vLLM's CPU attention (isa={isa}, {dtype}) stores K in a tiled layout")
-
-        monkeypatch.setattr(attention_cpu, "_cpu_key_strides", tiled)
-    with pytest.raises(Exception, match="tiled layout"):
-        LLM(**tree_kwargs(dtype="bfloat16"))
+    attention_cpu._cpu_kv_tiles.cache_clear()  # probed per process: this engine must probe again
+    monkeypatch.setattr(attention_cpu, "_fit_tiles", lambda loc: None)
+    try:
+        with pytest.raises(Exception, match="stores K in a layout that is no tiling"):
+            LLM(**tree_kwargs())
+    finally:
+        attention_cpu._cpu_kv_tiles.cache_clear()
     gc.collect()
+
+
+@pytest.mark.parametrize("shape", [(5, 4, 8), (5, 1, 6)], ids=["tree", "chain"])
+def test_bf16_engines_speculate_in_this_cpus_layout(prompts, monkeypatch, shape):
+    """Issue #50 item 2: bf16 tree and chain engines start and speculate in
+    the layout vLLM's CPU attention picks on this CPU: AMX's tiles where the
+    CPU has AMX tiles (``TiledKV`` views; every op on them is also checked on
+    emulated tiles by tests/test_tiled_kv.py), the strided "vec" layout
+    elsewhere. Same verdict on every CPU; which layout ran is asserted."""
+    from vllm import LLM, SamplingParams
+
+    from spec_plugins.vllm_ext import attention_cpu
+
+    isas = set()
+    real = attention_cpu.cpu_kv_views
+
+    def recording(kv_cache, isa):
+        isas.add(isa)
+        return real(kv_cache, isa)
+
+    monkeypatch.setattr(attention_cpu, "cpu_kv_views", recording)  # the tree rows' views (the impl's kv_views)
+    steps, topk, tokens = shape
+    llm = LLM(**engine_kwargs(dtype="bfloat16",
+                              speculative_config={"method": "eagle3", "model": str(head_path("eagle3"))},
+                              additional_config={"spec_tree": {"num_steps": steps, "topk": topk,
+                                                               "num_draft_tokens": tokens}}))
+    outputs = llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.0))
+    drafts = _metric(llm.get_metrics(), "vllm:spec_decode_num_drafts") or 0
+    del llm
+    gc.collect()
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outputs)
+    assert drafts > 0, "no tree step ran"
+    amx = torch.cpu._is_amx_tile_supported()
+    assert len(isas) == 1 and ("amx" in isas) == amx, f"layouts served: {isas} (AMX tiles on this CPU: {amx})"
+
+
+def test_tiled_views_through_a_bf16_tree_engine_change_no_token(prompts, monkeypatch):
+    """``TiledKV`` end to end on any CPU: the layout vLLM picks here,
+    re-described as tiles of 16 tokens x 2 dims (every index of a TiledKV
+    used: a true description of the same bytes), so every tree row, draft step
+    and accepted-path KV move of a bf16 tree engine goes through TiledKV
+    views. Greedy tokens must equal the same engine's on plain views. (vLLM's
+    own kernels keep reading their layout: only our views change.)"""
+    from vllm import LLM, SamplingParams
+
+    from spec_plugins.vllm_ext import attention_cpu
+
+    real_fit = attention_cpu._fit_tiles
+
+    def as_tiles(loc):  # the strided fit (t_o = d_i = 1) split into 16-token, 2-dim tiles
+        t_i, d_i, s_to, s_ti, s_do, s_di = real_fit(loc)
+        assert (t_i, d_i) == (loc.shape[0], 1), "this CPU's layout is tiled already"
+        return 16, 2, 16 * s_ti, s_ti, 2 * s_do, s_do
+
+    served = []
+    real_views = attention_cpu.cpu_kv_views
+    monkeypatch.setattr(attention_cpu, "cpu_kv_views",
+                        lambda kv, isa: served.append(real_views(kv, isa)) or served[-1])
+    tokens = {}
+    for tiled in (False, True):
+        attention_cpu._cpu_kv_tiles.cache_clear()  # probed per process: each engine probes again
+        if tiled:
+            monkeypatch.setattr(attention_cpu, "_fit_tiles", as_tiles)
+        try:
+            llm = LLM(**tree_kwargs(dtype="bfloat16"))
+            outputs = llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.0))
+            drafts = _metric(llm.get_metrics(), "vllm:spec_decode_num_drafts") or 0
+            del llm
+            gc.collect()
+        finally:
+            attention_cpu._cpu_kv_tiles.cache_clear()
+        assert drafts > 0
+        tokens[tiled] = [list(o.outputs[0].token_ids) for o in outputs]
+        kinds = {type(view).__name__ for views in served for view in views}
+        assert kinds == ({"TiledKV"} if tiled else {"Tensor"}), kinds
+        served.clear()
+    assert tokens[True] == tokens[False]

@@ -329,32 +329,42 @@ def test_tree_rows_view_or_gather():
     assert tree_rows(x, np.array([], dtype=np.int64), 3).shape == (0, 3, 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kv_views_read_what_vllm_wrote(dtype):
-    """K/V views over vLLM's CPU cache agree with its own cache-write op, and
-    writes through them land where vLLM's kernel reads (via a second write)."""
+@pytest.mark.parametrize("dtype,isa", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "amx")])
+def test_cpu_kv_views_read_what_vllm_wrote(dtype, isa):
+    """K/V views over vLLM's CPU cache agree with its own cache-write op (the
+    isa vLLM picks on this CPU, and "amx": its write op is plain C++ and runs
+    on any x86 CPU, so the AMX tiles are vLLM's own here too), and writes
+    through them land where vLLM's op reads (the KV move's indexing)."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from spec_plugins.vllm_ext.attention_cpu import cpu_kv_views
+    from spec_tree_kernels.kv_layout import TiledKV
 
     nb, heads, bs, dim = 3, 2, 32, 64
-    isa = _get_attn_isa(dtype, bs, dim)
+    isa = isa or _get_attn_isa(dtype, bs, dim)
     cache = torch.zeros(nb, heads, bs, 2 * dim, dtype=dtype)
     kv = cache.view(nb, heads, 2 * bs, dim)
     gen = torch.Generator().manual_seed(0)
     key = torch.randn(7, heads, dim, generator=gen).to(dtype)
     value = torch.randn(7, heads, dim, generator=gen).to(dtype)
     slots = torch.tensor([0, 5, 31, 32, 40, 64, 95])
-    try:
-        k_view, v_view = cpu_kv_views(cache, isa)
-    except RuntimeError as e:  # a tiled K layout (AMX bf16) is refused loudly, never misread
-        assert "tiled layout" in str(e)
-        return
+    k_view, v_view = cpu_kv_views(cache, isa)
+    if isa == "amx":  # the tilings tests/test_tiled_kv.py builds its caches in: K 16 tokens x 2 dims, V 2 x 16
+        assert isinstance(k_view, TiledKV) and isinstance(v_view, TiledKV)
+        assert k_view.tiles.shape[1:] == (2, 16, heads, 32, 2) and k_view.stride()[1:] == (1024, 2, 4096, 32, 1)
+        assert v_view.tiles.shape[1:] == (16, 2, heads, 4, 16) and v_view.stride()[1:] == (32, 1, 4096, 512, 2)
     ops.cpu_attn_reshape_and_cache(key, value, kv[:, :, :bs], kv[:, :, bs:], slots, isa,
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     assert torch.equal(k_view[slots // bs, slots % bs], key)
     assert torch.equal(v_view[slots // bs, slots % bs], value)
+    written = cache.clone()  # through the views, then by vLLM's op again: the same bytes
+    k_view[slots // bs, slots % bs] = key.flip(0)
+    v_view[slots // bs, slots % bs] = value.flip(0)
+    ops.cpu_attn_reshape_and_cache(key.flip(0), value.flip(0), written.view(nb, heads, 2 * bs, dim)[:, :, :bs],
+                                   written.view(nb, heads, 2 * bs, dim)[:, :, bs:], slots, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    assert torch.equal(cache, written)
 
 
 # ------------------------------------------------------------ head vs target
