@@ -96,7 +96,13 @@ class TiledKV:
         return torch.div(offset, tile, rounding_mode="floor"), offset % tile
 
     def __getitem__(self, index):
+        """``cache[blocks]`` (a tensor of block ids) or ``cache[blocks, offsets]``
+        (tensors): copies in logical order. Other indices are refused: a copy
+        would silently drop a chained write (``cache[b][o] = x``)."""
         nb, t_o, t_i, heads, d_o, d_i = self.tiles.shape
+        if not (isinstance(index, torch.Tensor)
+                or (isinstance(index, tuple) and len(index) == 2 and all(isinstance(i, torch.Tensor) for i in index))):
+            raise TypeError(f"TiledKV is read by a block-id tensor or (block, offset) tensors, got {index!r}")
         if isinstance(index, tuple):
             block, offset = index
             t_out, t_in = self._split(offset)

@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .kv_layout import refuse_tiled
 from .modes import TreeMaskMode, parse_mask_mode
 from .tree_shape import TreeShape, parent_list_width, pool_size
 from .triton_launch import Launch, Variant, capturing
@@ -254,6 +255,7 @@ class _DummyDraft:
         from .branch_attention import BranchAttentionPlan
 
         layer, device = self.layer, self.layer.k_cache.device
+        refuse_tiled("Triton", k_cache=layer.k_cache, v_cache=layer.v_cache)  # before new_zeros, which tiles lack
         num_blocks, block_size, hkv, dim = layer.k_cache.shape
         width = max(layer.block_table.shape[1], -(-bound // block_size))
         table = torch.zeros(batch, width, dtype=layer.block_table.dtype, device=device)

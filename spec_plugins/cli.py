@@ -85,7 +85,11 @@ def resolve_heads(names: list[str]) -> list[tuple[str, str]]:
 def block_shapes(folder: str) -> list[tuple]:
     """A DFlash drafter's default bench shapes: its chain (L = block - 1 mask rows),
     DDTree at the chain's verify width, and DDTree at 4x that width."""
-    L = json.loads((Path(folder) / "config.json").read_text())["block_size"] - 1
+    block = json.loads((Path(folder) / "config.json").read_text()).get("block_size")
+    if not isinstance(block, int) or block < 2:
+        raise SystemExit(f"spec-plugins: DFlash drafter {folder}: config.json block_size={block!r}, expected an "
+                         f"integer >= 2 (the bonus token + its mask rows); or pass --shapes")
+    L = block - 1
     return [(L, 1, L + 1), (L, 4, L + 1), (L, 8, 4 * (L + 1))]
 
 

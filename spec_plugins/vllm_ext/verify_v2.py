@@ -45,51 +45,65 @@ class TreeVerifierV2:
         out = self.inner(logits, input_batch, draft_logits, invalid)
         processed = None
         if any(g.sampled is not None for g in step.groups.values()):
-            processed = self._processed_logits(logits, input_batch)
+            processed = self._sampling_rows(logits, input_batch)
+        argmax = logits.argmax(dim=-1)  # [num_logits]: one pass, every group's greedy walk reads its rows
         for g in step.groups.values():
-            self._walk(g, logits, processed, out)
+            self._walk(g, logits, argmax, processed, out)
         step.verified = True
         self.runner.tree_stats.verify_steps += bool(step.groups)
         return out
 
-    def _processed_logits(self, logits: torch.Tensor, input_batch) -> torch.Tensor:
-        """[num_logits, V] the logits V2's rejection sampler draws from (``_verify``:
-        ``apply_sampling_params`` with the same arguments): temperature, min-p,
-        top-k / top-p per request, in V2's order and with V2's kernels. Only rows
-        of requests nothing else acts on are read (``params_allow_speculation``)."""
+    def _sampling_rows(self, logits: torch.Tensor, input_batch):
+        """``processed(requests, requests_np, rows)`` -> [len(rows), V] the logits V2's rejection
+        sampler draws from at those rows (``_verify``: ``apply_sampling_params``
+        with the same arguments, restricted to the requests owning the rows):
+        temperature, min-p, top-k / top-p per request, in V2's order and with V2's
+        kernels, all per row. Built per block of requests (``verify_in_blocks``):
+        V2 makes an fp32 copy of what it processes, and the batch's [num_logits,
+        V] copy is what V2's profile never saw (it chunks its own). Only rows of
+        requests nothing else acts on are read (``params_allow_speculation``).
+        requests: [b] int64 batch rows (device) and their host copy; rows: [n]
+        int64 logits rows of those requests (all of each one's rows)."""
         from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
 
         sampler = self.inner.sampler
         draft_sampled, pos = gather_draft_sampled(input_batch.input_ids, input_batch.positions,
                                                   input_batch.logits_indices, input_batch.expanded_idx_mapping,
                                                   input_batch.expanded_local_pos, sampler.req_states.prefill_len.gpu)
-        return sampler.apply_sampling_params(logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
-                                             input_batch.idx_mapping_np, pos, draft_sampled,
-                                             input_batch.expanded_local_pos,
-                                             input_batch.seq_lens_cpu_upper_bound.numpy())
+        seq_lens_np = input_batch.seq_lens_cpu_upper_bound.numpy()
 
-    def _walk(self, g, logits: torch.Tensor, processed: torch.Tensor | None, out) -> None:
+        def processed(requests: torch.Tensor, requests_np, rows: torch.Tensor) -> torch.Tensor:
+            return sampler.apply_sampling_params(
+                logits[rows], input_batch.expanded_idx_mapping[rows], input_batch.idx_mapping[requests],
+                input_batch.idx_mapping_np[requests_np], pos[rows], draft_sampled[rows],
+                input_batch.expanded_local_pos[rows], seq_lens_np[requests_np])
+
+        return processed
+
+    def _walk(self, g, logits: torch.Tensor, argmax: torch.Tensor, processed, out) -> None:
         """The group's walks (greedy on the argmax; sampled trees by target-only
         rejection on V2's distribution); their rows of ``out`` rewritten."""
         runner = self.runner
         depth = runner.verify_depth
-        predict = logits[g.logit_rows.flatten()].argmax(dim=-1).view(-1, g.nodes)
+        predict = argmax[g.logit_rows]
         res = stk.verify_tree_greedy(g.candidates, g.build.retrieve_next_token, g.build.retrieve_next_sibling,
                                      predict, depth, impl=runner.tree_impl)
         accept_index, accept_length = res.accept_index.to(torch.int64), res.accept_length.to(torch.int64)
         accept_tokens = res.accept_tokens.to(torch.int64)
         if g.sampled is not None:
-            s, vocab = g.sampled, processed.shape[-1]
+            s, vocab = g.sampled, logits.shape[-1]
             links = (g.candidates[s], g.build.retrieve_next_token[s], g.build.retrieve_next_sibling[s])
-            rows = g.logit_rows[s]
+            rows, requests, requests_np = g.logit_rows[s], g.rows[s], g.rows_np[g.sampled_np]
 
             def probs_of(block):
-                return processed[rows[block].flatten()].float().softmax(dim=-1).view(-1, g.nodes, vocab)
+                block_rows = rows[block].flatten()
+                return (processed(requests[block], requests_np[block], block_rows).float().softmax(dim=-1)
+                        .view(-1, g.nodes, vocab))
 
             def randoms_of(block):  # unseeded requests only (seeded ones stay with V2's sampler)
                 n = block.stop - block.start
-                return (torch.rand(n, g.nodes, device=processed.device),
-                        torch.empty(n, vocab, device=processed.device).exponential_())
+                return (torch.rand(n, g.nodes, device=logits.device),
+                        torch.empty(n, vocab, device=logits.device).exponential_())
 
             def walk_of(block, probs, coins, exponentials):
                 return stk.verify_tree_sampling(*(t[block] for t in links), probs, coins, exponentials, depth,
