@@ -18,7 +18,7 @@ these tests check it through SGLang's own code:
   startup naming why; NEXTN itself keeps working with our plugin installed;
 * SGLang's ``EagleDraftWorker.init_lm_head`` shares the target's embedding
   and lm_head with the MTP draft under EAGLE_TREE exactly as under NEXTN;
-* an MLA KV pool (DeepSeek / GLM MTP) is left to SGLang's own accepted-path
+* an MLA KV pool (DeepSeek / GLM-DSA MTP) is left to SGLang's own accepted-path
   move.
 
 Test doubles: ``torchvision`` (``spec_plugins.sglang_ext._testing``);
@@ -49,10 +49,11 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 from sglang.srt.utils.hf_transformers_utils import get_config  # noqa: E402
 
-from spec_plugins.sglang_ext import algorithm, config, layout  # noqa: E402
+from spec_plugins.sglang_ext import algorithm  # noqa: E402
 from spec_plugins.sglang_ext.worker import EagleTreeWorker  # noqa: E402
 # its fixtures: config-only checkpoints (a Llama target, EAGLE heads), and the user's knobs unset
 from test_plugin_registration import ckpt, clean_env  # noqa: E402, F401
+from test_plugin_worker import assert_left_to_sglangs_move  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -249,7 +250,7 @@ def test_init_lm_head_shares_the_targets_embedding_and_head_as_for_nextn(ckpt):
 
 
 def test_an_mla_kv_pool_is_left_to_sglangs_move():
-    """DeepSeek / GLM MTP keep latent (MLA) KV: our accepted-path move handles
+    """DeepSeek / GLM-DSA MTP keep latent (MLA) KV: our accepted-path move handles
     plain MHA pools only, so SGLang's own move serves this pool."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
@@ -257,12 +258,4 @@ def test_an_mla_kv_pool_is_left_to_sglangs_move():
         size=16, page_size=1, dtype=torch.bfloat16, kv_lora_rank=32, qk_rope_head_dim=8, layer_num=1, device="cpu",
         enable_memory_saver=False,
     )  # fmt: skip
-    assert layout.plain_kv_views(pool) is None
-    sglang_moves = []
-    batch = types.SimpleNamespace(seq_lens=torch.tensor([5]), out_cache_loc=torch.arange(4, 8))
-    allocator = types.SimpleNamespace(get_kvcache=lambda: pool)
-    layout.move_accepted_kv_sglang_layout(
-        batch, torch.tensor([[0, 2, -1]]), torch.tensor([1]), allocator, impl="torch",
-        fallback=lambda *args: sglang_moves.append(args),
-    )  # fmt: skip
-    assert len(sglang_moves) == 1 and sglang_moves[0][3] is allocator
+    assert_left_to_sglangs_move(pool)
