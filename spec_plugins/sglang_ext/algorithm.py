@@ -126,24 +126,37 @@ def published_mask_mode_flag():
     return getattr(server_args, MASK_MODE_RECORD, None)
 
 
+def draft_checkpoint(view) -> tuple:
+    """(path, revision) of the draft checkpoint SGLang's draft worker loads.
+    Without --speculative-draft-model-path that is the target checkpoint
+    (``ModelConfig.from_server_args`` falls back to --model-path and
+    --revision): NEXTN / MTP, whose draft is the target's own MTP layer."""
+    if view.speculative_draft_model_path is None:
+        return view.model_path, view.speculative_draft_model_revision or view.revision
+    return view.speculative_draft_model_path, view.speculative_draft_model_revision
+
+
 def read_draft_config(view):
     """The draft head's config, read with the arguments SGLang loads the draft
     model's config with (``ModelConfig.from_server_args`` for a draft), so we
     read the config SGLang will serve."""
     from sglang.srt.utils.hf_transformers_utils import get_config
 
-    kwargs = {}
-    config_file = view.decrypted_draft_config_file
-    if config_file and config_file.strip():
-        kwargs["_configuration_file"] = config_file.strip()
+    path, revision = draft_checkpoint(view)
     return get_config(
-        view.speculative_draft_model_path,
+        path,
         trust_remote_code=view.trust_remote_code,
-        revision=view.speculative_draft_model_revision,
+        revision=revision,
         model_override_args=json.loads(view.json_model_override_args),
         model_config_parser=view.model_config_parser,
-        **kwargs,
+        **draft_config_kwargs(view),
     )
+
+
+def draft_config_kwargs(view) -> dict:
+    """--decrypted-draft-config-file, as SGLang hands it to ``get_config``."""
+    config_file = view.decrypted_draft_config_file
+    return {"_configuration_file": config_file.strip()} if config_file and config_file.strip() else {}
 
 
 def checked_draft_config(view, variant_requested: bool):
@@ -151,7 +164,7 @@ def checked_draft_config(view, variant_requested: bool):
     naming the path and why). Unreadable: ValueError naming the path, unless
     the user named the variant (SGLang then reports the path when it loads
     the draft; None here)."""
-    path, revision = view.speculative_draft_model_path, view.speculative_draft_model_revision
+    path, revision = draft_checkpoint(view)
     try:
         draft_config = read_draft_config(view)
     except Exception as err:  # noqa: BLE001 - re-raised with the path and the reason
@@ -159,7 +172,7 @@ def checked_draft_config(view, variant_requested: bool):
             return None
         # a guess would load the wrong draft model: an EAGLE-3 head's fc takes 3 x hidden
         raise ValueError(
-            f"{ALGORITHM_NAME}: cannot read the draft head's config from --speculative-draft-model-path {path!r}"
+            f"{ALGORITHM_NAME}: cannot read the draft head's config from {draft_path_flag(view)} {path!r}"
             f"{f' (revision {revision!r})' if revision else ''} to tell an EAGLE from an EAGLE-3 head: "
             f"{type(err).__name__}: {err}"
         ) from err
@@ -167,6 +180,90 @@ def checked_draft_config(view, variant_requested: bool):
     if evidence is not None:
         raise ValueError(block_drafter_refusal(path, evidence))
     return draft_config
+
+
+def draft_path_flag(view) -> str:
+    if view.speculative_draft_model_path is None:
+        return "--model-path (no --speculative-draft-model-path: the target's own MTP layer drafts)"
+    return "--speculative-draft-model-path"
+
+
+# --------------------------------------------- NEXTN / MTP drafts (issue 51)
+#
+# SGLang's NEXTN is EAGLE: speculative_hook._resolve_speculative_algorithm_alias
+# turns NEXTN into EAGLE, SpeculativeAlgorithm.create_worker gives EAGLE
+# EAGLEWorkerV2 (which EagleTreeWorker subclasses), and what makes a draft an
+# MTP head is keyed on the draft's config, not on the name: the draft worker's
+# ModelConfig (is_draft_model) rewrites the target's architecture to its MTP
+# form (ModelConfig._config_draft_model: DeepseekV3ForCausalLM ->
+# DeepseekV3ForCausalLMNextN, MiMoForCausalLM -> MiMoMTP, ...), and
+# EagleDraftWorker.init_lm_head shares the target's embedding and lm_head with
+# any non-EAGLE-3 draft. So EAGLE_TREE serves NEXTN drafts as they are; what
+# it must add is NEXTN's resolution: no --speculative-draft-model-path means
+# the target's own MTP layer, and a draft SGLang's NEXTN would not run in the
+# EAGLE worker is refused.
+
+
+def sglang_draft_architecture(config) -> str:
+    """The architecture SGLang's draft worker loads a checkpoint of this
+    config as: SGLang's own rewrite (``ModelConfig._config_draft_model``),
+    run on a copy, since ``get_config`` caches the object the target's
+    ModelConfig later reads. ``_config_draft_model`` reads only the fields
+    given here."""
+    import copy
+    import types
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.utils.hf_transformers_utils import get_hf_text_config
+
+    hf_config = copy.deepcopy(config)
+    draft = types.SimpleNamespace(
+        is_draft_model=True, hf_config=hf_config, hf_text_config=get_hf_text_config(hf_config),
+        speculative_algorithm=ALGORITHM_NAME, is_draft_quantization_explicit=False, quantization=None,
+        sliding_window_size=None,
+    )  # fmt: skip
+    ModelConfig._config_draft_model(draft)
+    return draft.hf_config.architectures[0]
+
+
+def check_mtp_target(target_config, model_path) -> str:
+    """Without --speculative-draft-model-path the draft is the target's own MTP
+    layer (as for NEXTN): its MTP architecture, or ValueError when SGLang has
+    no MTP form of the target's architecture (it would load the whole target
+    as the draft)."""
+    archs = list(getattr(target_config, "architectures", None) or [])
+    target_arch = archs[0] if archs else None
+    draft_arch = sglang_draft_architecture(target_config) if target_arch else None
+    if draft_arch is None or draft_arch == target_arch:
+        raise ValueError(
+            f"{ALGORITHM_NAME} needs --speculative-draft-model-path (the EAGLE / EAGLE-3 head): without it the "
+            f"draft is the target's own MTP (NextN) layer, as for --speculative-algorithm NEXTN, and SGLang 0.5.23 "
+            f"has no MTP form of --model-path {model_path!r}'s architecture {target_arch!r} "
+            "(ModelConfig._config_draft_model keeps it)"
+        )
+    return draft_arch
+
+
+def check_nextn_runs_in_eagle_worker(view) -> None:
+    """A draft that SGLang's NEXTN would not run in the EAGLE worker (0.5.23:
+    a Gemma4 assistant, promoted to FROZEN_KV_MTP, FrozenKVMTPWorkerV2) is
+    refused: EAGLE_TREE's worker is EAGLEWorkerV2. Asked of SGLang's own
+    alias resolution."""
+    from sglang.srt.arg_groups.speculative_hook import _resolve_speculative_algorithm_alias
+
+    if view.speculative_draft_model_path is None:
+        return
+    nextn_as = _resolve_speculative_algorithm_alias(
+        "NEXTN", view.speculative_draft_model_path, trust_remote_code=view.trust_remote_code,
+        kwargs=draft_config_kwargs(view),
+    )
+    if nextn_as != "EAGLE":
+        raise ValueError(
+            f"{ALGORITHM_NAME}: --speculative-draft-model-path {view.speculative_draft_model_path!r} is a draft "
+            f"SGLang 0.5.23 runs as --speculative-algorithm {nextn_as} "
+            "(speculative_hook._resolve_speculative_algorithm_alias), in that algorithm's own worker, not the EAGLE "
+            f"worker (EAGLEWorkerV2) {ALGORITHM_NAME} extends; use --speculative-algorithm NEXTN"
+        )
 
 
 # ------------------------------------------------------------ resolution
@@ -200,13 +297,21 @@ def handle_speculative_decoding_hook(server_args, previous):
 
 def resolve_head_variant(server_args) -> str:
     """EAGLE or EAGLE3 (the user's SPEC_PLUGINS_EAGLE_TREE_VARIANT, else the
-    head's config; a DFlash block drafter is refused either way), recorded
-    in the server args for every process SGLang hands them to."""
+    head's config; a DFlash block drafter, a target without an MTP form when
+    no draft path is given, and a draft NEXTN would not run in the EAGLE
+    worker are refused either way), recorded in the server args for every
+    process SGLang hands them to. A path-less NEXTN / MTP draft is the
+    target's MTP layer: EAGLE (it is no EAGLE-3 head)."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     requested = requested_variant()
-    draft_config = checked_draft_config(resolving_view(server_args), requested is not None)
-    variant = requested or detect_variant(getattr(draft_config, "architectures", None) or [])
+    view = resolving_view(server_args)
+    draft_config = checked_draft_config(view, requested is not None)
+    architectures = getattr(draft_config, "architectures", None) or []
+    if view.speculative_draft_model_path is None:
+        architectures = [check_mtp_target(draft_config, view.model_path)]
+    check_nextn_runs_in_eagle_worker(view)
+    variant = requested or detect_variant(architectures)
     setattr(server_args, VARIANT_RECORD, variant)
     return variant
 
@@ -283,8 +388,6 @@ def log_resolved_tree(view, variant: str, mode, backend) -> None:
 
 def check_flags_before_eagle_family(cfg) -> None:
     """Ours first, where SGLang's EAGLE checks would fail less clearly."""
-    if cfg.speculative_draft_model_path is None:
-        raise ValueError(f"{ALGORITHM_NAME} needs --speculative-draft-model-path (the EAGLE / EAGLE-3 head)")
     if cfg.speculative_num_steps is None and (
         cfg.speculative_eagle_topk is not None or cfg.speculative_num_draft_tokens is not None
     ):

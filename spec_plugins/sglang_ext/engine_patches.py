@@ -177,6 +177,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam("sglang.srt.runtime_context:get_exec", "srt/runtime_context.py", "two-batch overlap setting"),
     Seam("sglang.srt.layers.radix_attention:RadixAttention", "srt/layers/radix_attention.py",
          "logit_cap / sliding_window_size / is_cross_attention of the target's layers"),
+    # NEXTN / MTP drafts (algorithm.check_mtp_target, check_nextn_runs_in_eagle_worker)
+    Seam("sglang.srt.configs.model_config:ModelConfig._config_draft_model", "srt/configs/model_config.py",
+         "the MTP architecture SGLang's draft worker loads a path-less (target) draft as; run on a copy"),
+    Seam("sglang.srt.utils.hf_transformers_utils:get_hf_text_config", "srt/utils/hf_transformers/common.py",
+         "the text config _config_draft_model reads"),
+    Seam("sglang.srt.arg_groups.speculative_hook:_resolve_speculative_algorithm_alias",
+         "srt/arg_groups/speculative_hook.py", "what SGLang runs a draft given to NEXTN as (EAGLE, or FROZEN_KV_MTP)"),
 )
 
 # HookRegistry targets (dotted, as HookRegistry.register wants them).

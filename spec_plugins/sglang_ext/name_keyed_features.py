@@ -83,7 +83,9 @@ SITES = (
     Site("speculative/spec_info.py", "SpeculativeAlgorithm.supports_mixed_chunk", (
         Feature("mixed chunked prefill", GETS, "EagleTreeSpecAlgo.supports_mixed_chunk answers True"),)),
     Site("speculative/spec_info.py", "SpeculativeAlgorithm.from_string", (
-        Feature("NEXTN alias", UNRELATED, "maps the NEXTN alias to EAGLE; EAGLE_TREE comes from the plugin registry"),)),
+        Feature("NEXTN alias", UNRELATED,
+                "maps the NEXTN alias to EAGLE; EAGLE_TREE comes from the plugin registry, and serves NEXTN's MTP "
+                "drafts in the same EAGLE worker (algorithm.check_mtp_target; docs/sglang.md, NEXTN / MTP drafts)"),)),
     # --- startup resolution
     Site("arg_groups/speculative_hook.py", "handle_speculative_decoding", (
         Feature("--disaggregation-decode-enable-radix-cache", SGLANG_REFUSES, "ValueError for other algorithms"),
@@ -99,8 +101,8 @@ SITES = (
                 "exact sampler"),)),
     Site("arg_groups/speculative_hook.py", "_resolve_speculative_algorithm_alias", (
         Feature("Gemma4 assistant drafts promoted to FROZEN_KV_MTP", ABSENT,
-                "EAGLE_TREE is never promoted: it serves EAGLE / EAGLE-3 heads, and a Gemma4 assistant is "
-                "neither"),)),
+                "EAGLE_TREE is never promoted: it runs the EAGLE worker, so a draft SGLang would promote is "
+                "refused at startup (algorithm.check_nextn_runs_in_eagle_worker)"),)),
     Site("arg_groups/speculative_hook.py", "_should_auto_enable_hip_rejection_sampling", (
         Feature("rejection sampling on by default on HIP", ABSENT,
                 "EAGLE_TREE keeps its own exact sampled verify (SGLang's rejection sampler is refused for it)"),)),

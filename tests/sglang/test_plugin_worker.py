@@ -491,6 +491,11 @@ def test_kv_move_leaves_quantized_pools_to_sglang(backend):
     assert type(pool) is MHATokenToKVPool and pool.is_quantized_kv_cache
     if backend == "trtllm_mha":  # the layout a k_scale_buffer-only check missed
         assert pool.k_scale_buffer is None and pool.native_k_scale_buffer is not None
+    assert_left_to_sglangs_move(pool)
+
+
+def assert_left_to_sglangs_move(pool):
+    """Our accepted-path move hands ``pool`` to SGLang's own move, once."""
     assert layout.plain_kv_views(pool) is None
     sglang_moves = []
     batch = types.SimpleNamespace(seq_lens=torch.tensor([5]), out_cache_loc=torch.arange(4, 8))
