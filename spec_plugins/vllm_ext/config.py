@@ -260,7 +260,7 @@ def check_block_drafter(settings: TreeSettings, drafter: str | None = None,
                         draft_sample_method: str | None = None) -> None:
     """spec_tree with method 'dflash': the shape is (L = the drafter's query block
     of mask rows, K tokens per position, T = verify width); refused by name
-    before anything loads where the V2 DDTree speculator cannot serve it."""
+    before anything loads where DDTree over DFlash (V2 speculator, V1 proposer) cannot serve it."""
     if settings.menu is not None:
         raise TreeConfigError("spec_tree budget='auto' is not supported with method 'dflash': the budget's menu "
                               "drafts EAGLE trees level by level, a DFlash drafter runs one block of fixed length per "

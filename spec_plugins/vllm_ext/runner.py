@@ -463,8 +463,7 @@ class TreeRunnerMixin:
         R = len(step.scheduled)
         drafts: list[list[int]] = [[] for _ in range(R)]
         source = self._path_rows(num_rows)  # before the commit forgets the walk
-        self._commit_verified_trees()
-        mark("kv_moved")
+        self._commit_verified_trees()  # (marks: the commit and input assembly are ours, the propose the head's)
         # vLLM's own bound for its DFlash chain (``_input_fits_in_drafter``, which the tree runner decides per
         # request for EAGLE): query rows past it would read the drafter's RoPE cache past its end. The batch then
         # decodes without speculation this step, as vLLM's chain does (the drafter's context K/V of this step's
@@ -473,6 +472,8 @@ class TreeRunnerMixin:
                 > self.effective_drafter_max_model_len):
             self.tree_stats.not_speculated += R
             self._drafted.clear()
+            for name in ("draft_inputs", "extend_end", "kv_moved", "draft_end"):  # no head ran: all ours
+                mark(name)
             return drafts
         # the bonus token of every request (vLLM's own helper: the last valid sampled token, or mid-prefill the
         # request's backup token) and the rows past each request's committed path
@@ -495,6 +496,7 @@ class TreeRunnerMixin:
                         slot_mappings=slot_mappings)
         trees = drafter.take_trees()
         mark("extend_end")
+        mark("kv_moved")  # already moved, before the drafter wrote its context K/V over the verify slots
         self.tree_stats.block_tree_steps += 1
         rows = step.drafting
         for r in np.setdiff1d(np.arange(R), rows):

@@ -15,7 +15,10 @@ commit (KV move, rows gathered into path order for DFlash's context) matter.
 Jobs: a batch of 8 with stop tokens and strings and a prompt chunked over
 steps that verify trees, then one request alone. Every greedy output must
 equal no speculation token for token; the same oracle engine with the KV move
-skipped (``SPEC_PLUGINS_INJECT_FAULT=skip_kv_move``) must not. Sampled
+skipped (``SPEC_PLUGINS_INJECT_FAULT=skip_kv_move``) must not. DFlash's
+context K/V writes are watched (``watch_context_writes``): a rejected node's
+hidden state on an accepted path's slot (the path gather left out) changes
+no output, only acceptance, so identity alone would not see it. Sampled
 requests are decoded without speculation on V1 (no end-to-end test of the
 sampled walk over DFlash trees on V1 yet; V2 has one, test_vllm_ddtree_v2).
 """
@@ -37,7 +40,8 @@ require_smollm2()
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from oracle_drafter import BlockLogitsOracle  # noqa: E402
-from test_vllm_ddtree_v2 import drafter_dir  # noqa: E402
+# the V2 test's jobs: a prompt longer than a step's token budget (chunked beside trees), stop strings and tokens
+from test_vllm_ddtree_v2 import BATCH_PARAMS, ENGINE_SIZE, PROMPTS, drafter_dir  # noqa: E402
 
 from spec_plugins import vllm_runs  # noqa: E402
 from spec_plugins.heads import drafter_path  # noqa: E402
@@ -45,22 +49,14 @@ from spec_plugins.heads.vllm_check import _metric  # noqa: E402
 from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
 from spec_plugins.vllm_ext.faults import FAULT_ENV  # noqa: E402
 
-NEWLINE = 198  # SmolLM2's "\n"
-# the 4th prompt is longer than a step's token budget: its chunks share steps with the others' trees
-PROMPTS = ["def fibonacci(n):", "The capital of France is", "List three colors:",
-           "Repeat after me: " + " ".join(["alpha beta gamma"] * 60),
-           "def add(a, b):", "Count from one to five:", "Write a haiku about the sea.", "The opposite of hot is"]
-BATCH_PARAMS = [dict(temperature=0, max_tokens=24, stop=["\n"]),
-                dict(temperature=0, max_tokens=24, stop_token_ids=[NEWLINE]),
-                dict(temperature=0, max_tokens=16), dict(temperature=0, max_tokens=8),
-                dict(temperature=0, max_tokens=12), dict(temperature=0, max_tokens=12, stop=["five"]),
-                dict(temperature=0, max_tokens=12), dict(temperature=0, max_tokens=4)]
 BATCH = {"prompts": PROMPTS, "params": BATCH_PARAMS}
 ALONE = {"prompts": [PROMPTS[0]], "params": [dict(temperature=0, max_tokens=32)]}
 SAMPLED = {"prompts": ["Give me a random fruit."] * 2, "params": [dict(temperature=0.8, seed=s, max_tokens=6)
                                                                   for s in (1, 2)]}
-ENGINE_SIZE = {"max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8,
-               "max_num_batched_tokens": 128}
+# a request that runs into max_model_len (512): near it the drafter's query rows would pass the end, and the
+# steps there draft nothing (``_propose_block_trees``); the scheduler caps the drafts before (drafts_that_fit)
+LONG = {"prompts": ["one two three four five six seven eight nine ten " * 48], "params": [dict(temperature=0,
+                                                                                             max_tokens=64)]}
 SHAPE = {"num_steps": 7, "topk": 4, "num_draft_tokens": 16}  # L = the drafters' 7 mask rows, 15 drafts
 
 
@@ -129,7 +125,7 @@ def watch_context_writes(model) -> dict:
 def runs() -> dict:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     try:
-        none = run_engine(vllm_runs.engine_kwargs(str(ensure_converted()), **ENGINE_SIZE), [BATCH, ALONE])
+        none = run_engine(vllm_runs.engine_kwargs(str(ensure_converted()), **ENGINE_SIZE), [BATCH, ALONE, LONG])
         refs = {tuple(prompt): prompt + tokens for job in none["prompts"] for prompt, (tokens, _) in job}
 
         def oracle():
@@ -138,7 +134,7 @@ def runs() -> dict:
         good, broken = oracle(), oracle()
         return {
             "none": none,
-            "ddtree": run_engine(ddtree_kwargs(drafter_path("dflash")), [BATCH, ALONE, SAMPLED]),
+            "ddtree": run_engine(ddtree_kwargs(drafter_path("dflash")), [BATCH, ALONE, SAMPLED, LONG]),
             "ddtree_oracle": {**run_engine(ddtree_kwargs(drafter_dir()), [BATCH, ALONE], good), "oracle": good.stats},
             "broken": {**run_engine(ddtree_kwargs(drafter_dir()), [ALONE], broken, fault="skip_kv_move"),
                        "oracle": broken.stats},
@@ -157,8 +153,8 @@ def test_engines_run_ddtree_on_the_v1_runner(runs):
 
 def test_the_jobs_exercise_what_they_claim(runs):
     first = runs["none"]["jobs"][0]
-    assert first[1][1] == "stop" and len(first[1][0]) < 24  # the stop token ends a request early
-    assert first[0][1] == "stop" and len(first[0][0]) < 24  # the stop string ends one early
+    assert first[1][1] == "stop" and len(first[1][0]) < BATCH_PARAMS[1]["max_tokens"]  # the stop token ends one early
+    assert first[0][1] == "stop" and len(first[0][0]) < BATCH_PARAMS[0]["max_tokens"]  # the stop string ends one early
     assert runs["ddtree_oracle"]["after_job"][0]["stats"]["prefill_chunks"] > 0  # a prompt chunked beside trees
 
 
@@ -167,6 +163,17 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name):
     for job, (reference, got) in enumerate(zip(runs["none"]["jobs"], runs[name]["jobs"][:2])):
         for i, (a, b) in enumerate(zip(reference, got)):
             assert a == b, f"{name}, job {job}, request {i}"
+
+
+def test_a_request_runs_into_max_model_len(runs):
+    """Identical to no speculation up to the cap, and the last steps before it draft nothing
+    (engine steps without a DFlash propose: only there, the prompt's chunks run it too)."""
+    assert runs["ddtree"]["jobs"][3] == runs["none"]["jobs"][2]
+    tokens, finish = runs["none"]["jobs"][2][0]
+    assert finish == "length" and len(tokens) < LONG["params"][0]["max_tokens"]  # stopped by max_model_len
+    before, after = (runs["ddtree"]["after_job"][i]["stats"] for i in (2, 3))
+    undrafted = (after["steps"] - before["steps"]) - (after["block_tree_steps"] - before["block_tree_steps"])
+    assert undrafted > 0 and after["trees_verified"] > before["trees_verified"], (before, after)
 
 
 def test_oracle_trees_accept_deep_paths_and_reject_siblings(runs):
