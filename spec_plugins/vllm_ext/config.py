@@ -253,7 +253,7 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     return settings
 
 
-BLOCK_DRAFTER_METHOD = "dflash"  # DDTree trees over vLLM's DFlash drafter (V2: speculator_dflash_v2, V1: proposer_dflash)
+BLOCK_DRAFTER_METHOD = "dflash"  # DDTree over vLLM's DFlash drafter (V2: speculator_dflash_v2, V1: proposer_dflash)
 
 
 def check_block_drafter(settings: TreeSettings, drafter: str | None = None,
