@@ -333,14 +333,6 @@ def cmd_bench(args) -> int:
     shapes = args.shapes or [parse_shape(s) for s in (FULL_SHAPES if args.full else BENCH_SHAPES)]
     if all(kind == "dflash" for kind, _ in heads) and not args.shapes:
         shapes = block_shapes(heads[0][1])
-    if any(kind == "dflash" for kind, _ in heads):
-        from spec_plugins.vllm_ext.runner_choice import BLOCK_DRAFTER_V1_WHY, expects_v2_runner
-
-        if not expects_v2_runner():  # before any engine is built: the refusal would come from each DDTree engine
-            print(f"spec-plugins bench: a DFlash drafter's DDTree rows need vLLM's V2 model runner "
-                  f"({BLOCK_DRAFTER_V1_WHY}; on vLLM-CPU: --v2-interpreter)")
-            return 2
-
     warnings = bench_noise.busy_warnings()
     for line in warnings:
         print(f"spec-plugins bench: warning: {line}", file=sys.stderr, flush=True)

@@ -219,7 +219,7 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     elif spec.get("method") not in (None, *VLLM_METHODS):
         raise TreeConfigError(
             f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), or "
-            f"'dflash' on vLLM's V2 model runner (DDTree over a DFlash drafter), got method={spec['method']!r}")
+            f"'dflash' (DDTree over a DFlash drafter), got method={spec['method']!r}")
     if not spec.get("model") and not is_mtp_method(spec.get("method")):  # an MTP draft is the target itself
         raise TreeConfigError(f"spec_tree needs a draft head (EAGLE-1 or EAGLE-3): {HEAD_SPELLINGS}")
     if spec.get("method") is None:  # vLLM itself guesses from the head's name only: read its config
@@ -267,19 +267,14 @@ def is_mtp_method(method) -> bool:
     return isinstance(method, str) and (method == "mtp" or method.endswith("_mtp"))
 
 
-BLOCK_DRAFTER_METHOD = "dflash"  # DDTree trees over vLLM's DFlash drafter (runner_v2 + speculator_dflash_v2)
+BLOCK_DRAFTER_METHOD = "dflash"  # DDTree over vLLM's DFlash drafter (V2: speculator_dflash_v2, V1: proposer_dflash)
 
 
 def check_block_drafter(settings: TreeSettings, drafter: str | None = None,
                         draft_sample_method: str | None = None) -> None:
     """spec_tree with method 'dflash': the shape is (L = the drafter's query block
     of mask rows, K tokens per position, T = verify width); refused by name
-    before anything loads where the V2 DDTree speculator cannot serve it."""
-    from .runner_choice import BLOCK_DRAFTER_V1_WHY, expects_v2_runner
-
-    if not expects_v2_runner():
-        raise TreeConfigError(f"spec_tree with speculative_config method 'dflash' on vLLM's V1 model runner is not "
-                              f"supported ({BLOCK_DRAFTER_V1_WHY})")
+    before anything loads where DDTree over DFlash (V2 speculator, V1 proposer) cannot serve it."""
     if settings.menu is not None:
         raise TreeConfigError("spec_tree budget='auto' is not supported with method 'dflash': the budget's menu "
                               "drafts EAGLE trees level by level, a DFlash drafter runs one block of fixed length per "

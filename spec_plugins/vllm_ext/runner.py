@@ -37,6 +37,13 @@ order vLLM calls the mixin's methods, each around vLLM's own code:
 Requests whose token depends on more than temperature / min-p / top-k / top-p
 (penalties, structured output, logprobs, ...: ``requests.py``) are decoded
 without speculation (empty drafts), in the same batches.
+
+With ``speculative_config.method == "dflash"`` the drafter is vLLM's V1
+DFlash proposer as ``proposer_dflash.TreeDFlashProposer`` (DDTree trees from
+its one block forward) and ``propose_draft_token_ids`` is
+``_propose_block_trees``: the KV commit first, then vLLM's DFlash ``propose``
+over the step's rows gathered into path order (its context K/V: the accepted
+path's target hidden states), then the same hand-out of trees.
 """
 
 from __future__ import annotations
@@ -119,6 +126,12 @@ class TreeRunnerMixin:
         self._drafted: dict[str, tuple[list, list, list]] = {}  # req_id -> (tokens, parents, top1) behind its spec tokens
         self._step_groups: dict[int, TreeGroup] = {}
         self._verified: dict[int, TreeGroup] = {}  # this step's trees after the walk, until the KV move
+        # DDTree over vLLM's DFlash drafter: the proposer vLLM built, with its mask rows' sampling replaced
+        self.block_drafter = vllm_config.speculative_config.method == "dflash"
+        if self.block_drafter:
+            from .proposer_dflash import adopt_dflash_proposer
+
+            adopt_dflash_proposer(self)
 
     @property
     def tree_stats(self) -> TreeStats:
@@ -136,6 +149,12 @@ class TreeRunnerMixin:
 
     def load_model(self, *args, **kwargs):
         spec = self.vllm_config.speculative_config
+        if self.block_drafter:  # vLLM's DFlash loader shares the target's embedding and lm_head itself
+            from .speculator_dflash_v2 import check_plain_dflash
+
+            check_plain_dflash(spec.draft_model_config)
+            super().load_model(*args, **kwargs)
+            return
         check_head_fits_target(spec.draft_model_config.hf_config, self.vllm_config.model_config.hf_text_config,
                                spec.method, spec.draft_model_config.model)
         share_embeddings_with_any_target(self.drafter)  # a target without `model` (BLOOM: `transformer`)
@@ -157,7 +176,8 @@ class TreeRunnerMixin:
         check_tree_attention_installed(self.compilation_config.static_forward_context,
                                        target_layers + sorted(draft_layers))
         check_at_startup(self, target_layers, sorted(draft_layers))  # layouts/variants: refuse now, not per request
-        warmed = warm_tree_kernels(self, target_layers, sorted(draft_layers))  # compile now, not in a step
+        # a block drafter's layers run DFlash's own attention only (no tree rows, no draft levels)
+        warmed = warm_tree_kernels(self, target_layers, [] if self.block_drafter else sorted(draft_layers))
         self.tree_stats.warmed_variants, self.tree_stats.warm_up_seconds = len(warmed.variants), warmed.seconds
         install_full_logitsprocs(self)  # logit_bias, min_p, entry-point processors apply as without speculation
         impl = self.compilation_config.static_forward_context[target_layers[0]].impl.tree_impl
@@ -278,6 +298,9 @@ class TreeRunnerMixin:
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                                 common_attn_metadata, slot_mappings):
         """One drafting step for the batch: head extend, KV commit, tree drafting."""
+        if self.block_drafter:
+            return self._propose_block_trees(scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states,
+                                             common_attn_metadata, slot_mappings)
         mark = self.bookkeeping.mark
         mark("draft")
         step = self._drafting_step(scheduler_output.total_num_scheduled_tokens)
@@ -326,6 +349,10 @@ class TreeRunnerMixin:
                             kv_len=kv0 + committed)
 
     def _may_speculate(self, req_id: str) -> bool:
+        # DDTree over DFlash on V1 verifies greedy requests only (its sampled walk has no end-to-end test on V1
+        # yet): sampled ones are decoded without speculation, in the same batches
+        if self.block_drafter and req_id in self.input_batch.random_reqs:
+            return False
         return may_speculate(self.requests[req_id].sampling_params, self.input_batch.req_id_to_index.get(req_id),
                              self.input_batch.logitsprocs)
 
@@ -402,6 +429,14 @@ class TreeRunnerMixin:
         trees = self.tree_drafter.draft(last_hidden[sample_rows], next_hidden[sample_rows], step.kv_len[rows_dev],
                                         int(step.kv_bound[rows].max()), block_table[rows_dev.to(block_table.device)],
                                         self._draft_kv_views(), shape)
+        return self._hand_out_trees(step, rows, rows_dev, trees, drafts)
+
+    def _hand_out_trees(self, step: DraftingStep, rows: np.ndarray, rows_dev: torch.Tensor, trees,
+                        drafts: list[list[int]]) -> list[list[int]]:
+        """The step's one host read: the trees of ``rows`` (``trees``' rows in
+        order) as their requests' drafts (for vLLM's scheduler), their parents and
+        top-1 marks kept for the next step's tree build."""
+        req_ids = self.input_batch.req_ids
         T = trees.parents.shape[1]
         host = torch.cat([trees.tokens, trees.parents, trees.top1.to(trees.tokens.dtype),
                           step.kv_len[rows_dev, None].to(trees.tokens.dtype)], 1).tolist()  # the read
@@ -410,3 +445,83 @@ class TreeRunnerMixin:
             self._drafted[req_ids[r]] = (drafts[r], host[i][T - 1 : 2 * T - 1],
                                          [x == 1 for x in host[i][2 * T - 1 : 3 * T - 1]])
         return drafts
+
+    # ------------------------------------------------- DDTree over DFlash (V1)
+    def _propose_block_trees(self, scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states,
+                             common_attn_metadata, slot_mappings):
+        """One drafting step with vLLM's DFlash drafter: the verified trees
+        committed (target KV of each accepted path moved to the front of its
+        verify slots), then vLLM's DFlash ``propose`` over the step's rows with
+        each tree's accepted nodes gathered into path order and the rows past the
+        path counted as rejected (DFlash writes context K/V for the accepted path
+        only, at its chain positions and slots), then DDTree's trees from its mask
+        rows (``TreeDFlashProposer``) handed out as for EAGLE trees."""
+        mark = self.bookkeeping.mark
+        mark("draft")
+        drafter = self.drafter
+        num_rows = scheduler_output.total_num_scheduled_tokens
+        step = self._drafting_step(num_rows)
+        R = len(step.scheduled)
+        drafts: list[list[int]] = [[] for _ in range(R)]
+        source = self._path_rows(num_rows)  # before the commit forgets the walk
+        self._commit_verified_trees()  # (marks: the commit and input assembly are ours, the propose the head's)
+        # vLLM's own bound for its DFlash chain (``_input_fits_in_drafter``, which the tree runner decides per
+        # request for EAGLE): query rows past it would read the drafter's RoPE cache past its end. The batch then
+        # decodes without speculation this step, as vLLM's chain does (the drafter's context K/V of this step's
+        # positions stays unwritten: later drafts may be worse, never wrong; verification decides).
+        if (common_attn_metadata.max_seq_len + 1 + self.tree_settings.shape.num_steps
+                > self.effective_drafter_max_model_len):
+            self.tree_stats.not_speculated += R
+            self._drafted.clear()
+            for name in ("draft_inputs", "extend_end", "kv_moved", "draft_end"):  # no head ran: all ours
+                mark(name)
+            return drafts
+        # the bonus token of every request (vLLM's own helper: the last valid sampled token, or mid-prefill the
+        # request's backup token) and the rows past each request's committed path
+        next_token_ids, _ = drafter.prepare_next_token_ids_padded(sampled_token_ids, self.requests, self.input_batch,
+                                                                   self.discard_request_mask.gpu)
+        bound = upload(step.kv_bound.astype(np.int64), step.kv_len.device)
+        num_rejected = (bound - step.kv_len).to(torch.int32)
+        if self.use_aux_hidden_state_outputs:
+            target_hidden = torch.cat([h[source] for h in aux_hidden_states], dim=-1)
+        else:
+            target_hidden = hidden_states[source]
+        # an accepted node at depth d has the tree position context + d: gathered, the path's chain positions
+        positions = self._get_positions(num_rows)[source]
+        mark("draft_inputs")
+        drafter.propose(num_speculative_tokens=self.tree_settings.shape.num_steps,
+                        target_token_ids=self.input_ids.gpu[:num_rows][source], target_positions=positions,
+                        target_hidden_states=target_hidden, next_token_ids=next_token_ids,
+                        token_indices_to_sample=None, common_attn_metadata=common_attn_metadata,
+                        sampling_metadata=self.input_batch.sampling_metadata, num_rejected_tokens_gpu=num_rejected,
+                        slot_mappings=slot_mappings)
+        trees = drafter.take_trees()
+        mark("extend_end")
+        mark("kv_moved")  # already moved, before the drafter wrote its context K/V over the verify slots
+        self.tree_stats.block_tree_steps += 1
+        rows = step.drafting
+        for r in np.setdiff1d(np.arange(R), rows):
+            self._drafted.pop(self.input_batch.req_ids[r], None)
+        self.tree_stats.not_speculated += R - len(rows)
+        if len(rows):
+            rows_dev = upload(rows.astype(np.int64), step.kv_len.device)
+            trees = type(trees)(tokens=trees.tokens[rows_dev], parents=trees.parents[rows_dev],
+                                top1=trees.top1[rows_dev])
+            self._hand_out_trees(step, rows, rows_dev, trees, drafts)
+        mark("draft_end")
+        return drafts
+
+    def _path_rows(self, num_rows: int) -> torch.Tensor:
+        """[num_rows] int64 the gather that puts each verified tree's accepted
+        nodes (root first) at the front of its rows, as the KV move puts their
+        K/V; the rows past a path take the root's (DFlash counts them rejected:
+        their context K/V, the root's again, lands on the root's own slot).
+        Chains' paths are prefixes already in place."""
+        source = torch.arange(num_rows, device=self.input_ids.gpu.device)
+        for T, g in self._verified.items():
+            if g.all_chains:
+                continue
+            node_rows = g.node_rows.to(source.device)
+            index = g.accept_index[:, :T].clamp(min=0).to(source.device)
+            source[node_rows.flatten()] = node_rows.gather(1, index).flatten()
+        return source

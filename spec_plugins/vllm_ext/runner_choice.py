@@ -24,11 +24,6 @@ V1_ASYNC_WHY = ("vLLM then schedules each step before the last step's drafts rea
                 "draft tokens; the V1 tree runner plans a step's tree attention from the drafted trees on the host")
 
 
-BLOCK_DRAFTER_V1_WHY = ("DDTree trees over a DFlash drafter are drafted by the V2 tree runner only "
-                        "(speculator_dflash_v2); set VLLM_USE_V2_MODEL_RUNNER=1 (vLLM-CPU: with Triton's CPU "
-                        "backend), or drop spec_tree for vLLM's own DFlash chains")
-
-
 def expects_v2_runner() -> bool:
     """The model runner vLLM will build, decided as ``VllmConfig.use_v2_model_runner``
     decides it before it reads the config's features: VLLM_USE_V2_MODEL_RUNNER
@@ -126,9 +121,6 @@ def check_runner_options(vllm_config, settings) -> None:
     if getattr(vllm_config, "use_v2_model_runner", False):
         check_v2_runner_options(vllm_config, settings)
         return
-    if getattr(getattr(vllm_config, "speculative_config", None), "method", None) == "dflash":
-        raise TreeConfigError("spec_tree with speculative_config method 'dflash' on vLLM's V1 model runner is not "
-                              f"supported ({BLOCK_DRAFTER_V1_WHY})")
     if vllm_config.scheduler_config.async_scheduling:
         raise TreeConfigError(f"async_scheduling=True with vLLM's V1 model runner is not supported with spec_tree "
                               f"({V1_ASYNC_WHY}); set async_scheduling=False or VLLM_USE_V2_MODEL_RUNNER=0 "

@@ -148,7 +148,6 @@ class TreeStatsV2(TreeStats):
     budget_learned_requests: dict = field(default_factory=dict)
     budget_learned_accepted: dict = field(default_factory=dict)
     budget_lag: dict = field(default_factory=dict)
-    block_tree_steps: int = 0  # DFlash drafter (method "dflash"): steps that drafted DDTree trees
 
 
 @dataclass

@@ -27,6 +27,7 @@ V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"  # Model Runner V2; vLLM-C
 V2_BATCH = "vllm.v1.worker.gpu.input_batch:InputBatch"
 V2_DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator"  # DDTree's block drafter
 V2_EAGLE = "vllm.v1.worker.gpu.spec_decode.eagle.speculator:EagleSpeculator"
+V1_DFLASH = "vllm.v1.spec_decode.dflash:DFlashProposer"  # DDTree's block drafter on V1 (proposer_dflash.py)
 BATCH = "vllm.v1.worker.gpu_input_batch:InputBatch"
 ARGS = "vllm.engine.arg_utils:EngineArgs"
 FLASH = "vllm.v1.attention.backends.flash_attn"
@@ -200,6 +201,25 @@ SEAMS: tuple[Seam, ...] = (
     *(Seam(V2_DFLASH, a, "attr", why="DFlash's query block, sized from num_speculative_steps: set to L, rebuilt")
       for a in ("num_speculative_steps", "num_query_per_req", "sample_indices", "sample_pos", "sample_idx_mapping",
                 "sample_col", "draft_tokens", "max_num_reqs", "max_num_tokens")),
+    # --- DDTree over vLLM's V1 DFlash proposer (proposer_dflash.py, runner.TreeRunnerMixin._propose_block_trees) --
+    Seam(V1_DFLASH, "propose", "method", "num_speculative_tokens, target_token_ids, target_positions, "
+         "target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata, "
+         "mm_embed_inputs, num_rejected_tokens_gpu, slot_mappings", "called after the walk's commit, the step's rows "
+         "gathered into path order, num_rejected = rows past each path, num_speculative_tokens = L"),
+    Seam(V1_DFLASH, "_sample_draft_tokens", "method", "hidden_states, sampling_metadata",
+         "replaced: block top-K and DDTree trees from the mask rows, not sampled chains"),
+    Seam(V1_DFLASH, "prepare_next_token_ids_padded", "method", "sampled_token_ids, requests, gpu_input_batch, "
+         "discard_request_mask", "each request's bonus token from the walk's -1 padded output"),
+    Seam("vllm.v1.spec_decode.utils", "copy_and_expand_dflash_inputs_kernel", "writes",
+         "valid_ctx_end = ctx_end - num_rejected",
+         "DFlash's context is each request's rows minus num_rejected (through its input kernel): the accepted path"),
+    *(Seam(V1_DFLASH, a, "attr", why="read by TreeDFlashProposer") for a in (
+        "model", "num_speculative_tokens", "use_heterogeneous_vocab", "draft_model_config", "parallel_drafting",
+        "_draft_attn_layer_names")),
+    Seam(V1_DFLASH, "positions", "attr", why="the query positions (tests: the block oracle reads them)"),
+    *(Seam(GMR, a, "attr", why="read by the DFlash tree path") for a in (
+        "use_aux_hidden_state_outputs", "effective_drafter_max_model_len")),
+    Seam(GMR, "_get_positions", "method", "num_tokens", "the step's positions, gathered into path order for DFlash"),
     # --- the runner: overridden methods (runner.py) -------------------------------------------------------------
     Seam(GMR, "__init__", "method", "vllm_config, device", "TreeRunnerMixin.__init__ passes them through"),
     Seam(GMR, "load_model", "method", "load_dummy_weights, model", "then the tree proposer loads the head"),

@@ -36,6 +36,7 @@ class TreeStats:
     chain_fallbacks: int = 0  # drafts the runner did not draft itself, verified as a chain
     not_speculated: int = 0  # requests left without a tree (sampling, structured output, mid-prefill)
     prefill_chunks: int = 0  # head extends over a prompt chunk that is not the prompt's last
+    block_tree_steps: int = 0  # DFlash drafter (method "dflash"): steps that drafted DDTree trees
     draft_seconds: float = 0.0  # extend + KV move + tree drafting, all requests of all steps
     draft_calls: int = 0  # steps that drafted
     head_seconds: float = 0.0  # the head's forwards (extend + draft steps), part of draft_seconds

@@ -209,7 +209,8 @@ class BlockOracleStats:
 
 @dataclass
 class BlockLogitsOracle:
-    """The oracle for block drafters on vLLM's V2 (``TreeDFlashSpeculatorV2``):
+    """The oracle for block drafters (V2: ``TreeDFlashSpeculatorV2``, ``install``;
+    V1: ``TreeDFlashProposer``, ``install_v1``):
     it replaces the drafter's mask-row logits [R, L, V] (``block_logits``)
     before DDTree's top-K and tree build, so the production path from
     ``block_topk`` on (the best-first tree, the scheduler's cut, tree
@@ -226,8 +227,7 @@ class BlockLogitsOracle:
     stats: BlockOracleStats = field(default_factory=BlockOracleStats)
 
     def install(self, runner) -> "BlockLogitsOracle":
-        import torch
-
+        """On V2's ``TreeDFlashSpeculatorV2`` (``runner.speculator``)."""
         spec = runner.speculator
         real = spec.block_logits
         rng = np.random.default_rng(self.seed)
@@ -238,34 +238,57 @@ class BlockLogitsOracle:
             L = spec.num_speculative_steps
             states = spec.sample_idx_mapping[: num_reqs * L].view(num_reqs, L)[:, 0].tolist()
             pos = spec.sample_pos[: num_reqs * L].view(num_reqs, L).tolist()
-            V = logits.shape[-1]
             for r, state in enumerate(states):
                 if state < 0:
                     continue
                 plen = int(states_of.prompt_len.np[state])
-                prompt = tuple(states_of.all_token_ids.gpu[state, :plen].tolist())
-                ref = self.references.get(prompt)
-                if ref is None:
-                    self.stats.unknown_prompts += 1
-                    continue
-                self.stats.blocks += 1
-                for i in range(L):
-                    p = pos[r][i]
-                    if p >= len(ref):
-                        self.stats.unknown_positions += 1
-                        continue
-                    true = ref[p]
-                    others = [int(t) for t in rng.choice(V, 8, replace=False)
-                              if t != true and t not in self.avoid][:3]
-                    ranked = [true, *others]
-                    if rng.random() < self.second_rate:
-                        ranked[0], ranked[1] = ranked[1], ranked[0]
-                        self.stats.second_rank += 1
-                    row = torch.full((V,), -30.0, dtype=logits.dtype, device=logits.device)
-                    row[torch.tensor(ranked, device=logits.device)] = torch.tensor(
-                        [10.0, 9.0, 8.0, 7.0][: len(ranked)], dtype=logits.dtype, device=logits.device)
-                    logits[r, i] = row
+                self._rewrite(logits[r], pos[r], tuple(states_of.all_token_ids.gpu[state, :plen].tolist()), rng)
             return logits
 
         spec.block_logits = block_logits
         return self
+
+    def install_v1(self, runner) -> "BlockLogitsOracle":
+        """On V1's ``TreeDFlashProposer`` (``runner.drafter``): its ``propose``
+        covers the batch's R requests in order, their 1 + L query positions in
+        the proposer's ``positions`` buffer (bonus first)."""
+        drafter = runner.drafter
+        real = drafter.block_logits
+        rng = np.random.default_rng(self.seed)
+
+        def block_logits(hidden):
+            logits = real(hidden)
+            R, L = logits.shape[:2]
+            pos = drafter.positions[: R * (1 + L)].view(R, 1 + L)[:, 1:].tolist()
+            for r in range(R):
+                request = runner.requests[runner.input_batch.req_ids[r]]
+                self._rewrite(logits[r], pos[r], tuple(request.prompt_token_ids), rng)
+            return logits
+
+        drafter.block_logits = block_logits
+        return self
+
+    def _rewrite(self, logits, positions: list, prompt: tuple, rng) -> None:
+        """One request's mask rows [L, V] (row i drafts the token at positions[i])."""
+        import torch
+
+        ref = self.references.get(prompt)
+        if ref is None:
+            self.stats.unknown_prompts += 1
+            return
+        self.stats.blocks += 1
+        V = logits.shape[-1]
+        for i, p in enumerate(positions):
+            if p >= len(ref):
+                self.stats.unknown_positions += 1
+                continue
+            true = ref[p]
+            others = [int(t) for t in rng.choice(V, 8, replace=False) if t != true and t not in self.avoid][:3]
+            ranked = [true, *others]
+            if rng.random() < self.second_rate:
+                ranked[0], ranked[1] = ranked[1], ranked[0]
+                self.stats.second_rank += 1
+            row = torch.full((V,), -30.0, dtype=logits.dtype, device=logits.device)
+            row[torch.tensor(ranked, device=logits.device)] = torch.tensor(
+                [10.0, 9.0, 8.0, 7.0][: len(ranked)], dtype=logits.dtype, device=logits.device)
+            logits[i] = row

@@ -16,8 +16,9 @@ trees: the same gross-error chi-square as the EAGLE trees' on V2
 (``test_vllm_tree_v2``; the walk itself is tested exactly in
 tests/test_tree_sampling.py and with the engine-free DDTree decoder in
 test_block_decoder.py).
-Startup refusals (DFlash on V1, budget 'auto', a shape the block cannot
-form) run in-process, before any weights load.
+Startup checks (V1 served since issue #52 item 3: test_vllm_ddtree_v1; budget
+'auto' and a shape the block cannot form refused) run in-process, before any
+weights load.
 """
 
 from __future__ import annotations
@@ -167,23 +168,31 @@ def _prepare(kwargs: dict, v2: bool, monkeypatch):
     return prepare_engine_args(EngineArgs(**kwargs))
 
 
-def test_refused_on_the_v1_runner(monkeypatch):
-    with pytest.raises(TreeConfigError, match="method 'dflash' on vLLM's V1 model runner"):
-        _prepare(ddtree_kwargs(), v2=False, monkeypatch=monkeypatch)
+def test_served_on_the_v1_runner(monkeypatch):
+    """V1 drafts DDTree trees with vLLM's V1 DFlash proposer (test_vllm_ddtree_v1): accepted, with V1's async
+    scheduling turned off and the same shape checks (a shape the block cannot form is refused there too)."""
+    settings = _prepare(ddtree_kwargs(), v2=False, monkeypatch=monkeypatch)
+    assert settings.shape.num_steps == MASK_ROWS and settings.num_spec_tokens == SHAPE[2] - 1
+    with pytest.raises(TreeConfigError, match=f"num_steps={MASK_ROWS} with method 'dflash' and num_draft_tokens=5"):
+        _prepare(ddtree_kwargs(shape=(MASK_ROWS, 4, 5)), v2=False, monkeypatch=monkeypatch)
 
 
-def test_refused_when_vllm_builds_the_v1_runner_after_all():
-    """prepare_engine_args expected V2 but vLLM built V1 (a feature V2 lacks): refused once the config is built."""
+def test_served_when_vllm_builds_the_v1_runner_after_all():
+    """prepare_engine_args expected V2 but vLLM built V1 (a feature V2 lacks): V1 serves DFlash trees too, and
+    refuses there what it refuses for EAGLE trees (async scheduling)."""
     from types import SimpleNamespace
 
     from spec_plugins.vllm_ext.config import parse_tree_settings
     from spec_plugins.vllm_ext.runner_choice import check_runner_options
 
+    settings = parse_tree_settings(dict(zip(("num_steps", "topk", "num_draft_tokens"), SHAPE)))
     config = SimpleNamespace(use_v2_model_runner=False, speculative_config=SimpleNamespace(method="dflash"),
-                             scheduler_config=SimpleNamespace(async_scheduling=False))
-    with pytest.raises(TreeConfigError, match="method 'dflash' on vLLM's V1 model runner"):
-        check_runner_options(config, parse_tree_settings(dict(zip(("num_steps", "topk", "num_draft_tokens"),
-                                                                  SHAPE))))
+                             scheduler_config=SimpleNamespace(async_scheduling=False),
+                             compilation_config=SimpleNamespace(cudagraph_mode=None))
+    check_runner_options(config, settings)
+    config.scheduler_config.async_scheduling = True
+    with pytest.raises(TreeConfigError, match="async_scheduling=True with vLLM's V1 model runner"):
+        check_runner_options(config, settings)
 
 
 def test_refused_with_the_adaptive_budget(monkeypatch):
