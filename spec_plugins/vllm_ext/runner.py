@@ -349,10 +349,6 @@ class TreeRunnerMixin:
                             kv_len=kv0 + committed)
 
     def _may_speculate(self, req_id: str) -> bool:
-        # DDTree over DFlash on V1 verifies greedy requests only (its sampled walk has no end-to-end test on V1
-        # yet): sampled ones are decoded without speculation, in the same batches
-        if self.block_drafter and req_id in self.input_batch.random_reqs:
-            return False
         return may_speculate(self.requests[req_id].sampling_params, self.input_batch.req_id_to_index.get(req_id),
                              self.input_batch.logitsprocs)
 

@@ -19,8 +19,11 @@ skipped (``SPEC_PLUGINS_INJECT_FAULT=skip_kv_move``) must not. DFlash's
 context K/V writes are watched (``watch_context_writes``): a rejected node's
 hidden state on an accepted path's slot (the path gather left out) changes
 no output, only acceptance, so identity alone would not see it. Sampled
-requests are decoded without speculation on V1 (no end-to-end test of the
-sampled walk over DFlash trees on V1 yet; V2 has one, test_vllm_ddtree_v2).
+requests (SAMPLES of one prompt, temperature 0.7, min-p 0.02) walk the same
+trees by target-only rejection: a two-sample chi-square on their first
+FIRST_TOKENS tokens against no speculation, which a near-greedy sample fails
+(``test_vllm_tree_v2``'s check; the V1 walk itself is tested with 2500 samples
+over EAGLE trees in test_vllm_tree_sampling.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from collections import Counter
 
 import pytest
 
@@ -42,6 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from oracle_drafter import BlockLogitsOracle  # noqa: E402
 # the V2 test's jobs: a prompt longer than a step's token budget (chunked beside trees), stop strings and tokens
 from test_vllm_ddtree_v2 import BATCH_PARAMS, ENGINE_SIZE, PROMPTS, drafter_dir  # noqa: E402
+from test_vllm_tree_v2 import (FIRST_TOKENS, assert_check_rejects_a_near_greedy_sample,  # noqa: E402
+                               assert_same_sampled_distribution)
 
 from spec_plugins import vllm_runs  # noqa: E402
 from spec_plugins.heads import drafter_path  # noqa: E402
@@ -51,8 +57,9 @@ from spec_plugins.vllm_ext.faults import FAULT_ENV  # noqa: E402
 
 BATCH = {"prompts": PROMPTS, "params": BATCH_PARAMS}
 ALONE = {"prompts": [PROMPTS[0]], "params": [dict(temperature=0, max_tokens=32)]}
-SAMPLED = {"prompts": ["Give me a random fruit."] * 2, "params": [dict(temperature=0.8, seed=s, max_tokens=6)
-                                                                  for s in (1, 2)]}
+SAMPLES = 160  # V1 runs natively here: more samples than V2 under the interpreter affords
+SAMPLED = {"prompts": ["Give me a random fruit."] * SAMPLES,
+           "params": [dict(temperature=0.7, min_p=0.02, max_tokens=FIRST_TOKENS)] * SAMPLES}
 # a request that runs into max_model_len (512): near it the drafter's query rows would pass the end, and the
 # steps there draft nothing (``_propose_block_trees``); the scheduler caps the drafts before (drafts_that_fit)
 LONG = {"prompts": ["one two three four five six seven eight nine ten " * 48], "params": [dict(temperature=0,
@@ -125,7 +132,8 @@ def watch_context_writes(model) -> dict:
 def runs() -> dict:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     try:
-        none = run_engine(vllm_runs.engine_kwargs(str(ensure_converted()), **ENGINE_SIZE), [BATCH, ALONE, LONG])
+        none = run_engine(vllm_runs.engine_kwargs(str(ensure_converted()), **ENGINE_SIZE),
+                          [BATCH, ALONE, LONG, SAMPLED])
         refs = {tuple(prompt): prompt + tokens for job in none["prompts"] for prompt, (tokens, _) in job}
 
         def oracle():
@@ -195,13 +203,25 @@ def test_identity_check_catches_a_broken_kv_move(runs):
     assert broken["jobs"][0] != runs["none"]["jobs"][1]
 
 
-def test_sampled_requests_are_decoded_without_speculation(runs):
-    """V1 verifies DDTree trees for greedy requests only: the sampled job's own
-    counters (after it minus before it) show no tree, both requests finish."""
-    before, after = (runs["ddtree"]["after_job"][i]["stats"] for i in (1, 2))
-    assert after["trees_verified"] == before["trees_verified"], (before, after)
-    assert after["not_speculated"] > before["not_speculated"], (before, after)
-    assert all(len(tokens) == 6 for tokens, _ in runs["ddtree"]["jobs"][2])
+def first_tokens(job) -> Counter:
+    return Counter(tuple(tokens[:FIRST_TOKENS]) for tokens, _ in job)
+
+
+def test_sampled_ddtrees_keep_the_target_distribution(runs):
+    assert_same_sampled_distribution(first_tokens(runs["none"]["jobs"][3]), first_tokens(runs["ddtree"]["jobs"][2]),
+                                     "DDTree speculation on V1")
+
+
+def test_the_sampled_check_rejects_a_near_greedy_sample(runs):
+    assert_check_rejects_a_near_greedy_sample(first_tokens(runs["none"]["jobs"][3]))
+
+
+def test_sampled_requests_verify_ddtrees_and_accept_drafts(runs):
+    """The sampled job's own counters (after it minus before it): its requests
+    were walked as trees, not decoded without speculation."""
+    before, after = (runs["ddtree"]["after_job"][i] for i in (1, 2))
+    trees = after["stats"]["trees_verified"] - before["stats"]["trees_verified"]
+    assert trees >= SAMPLES // 2 and after["accepted"] > before["accepted"], (before, after)
 
 
 def test_the_drafters_context_is_the_accepted_path(runs):
