@@ -368,6 +368,8 @@ PARALLEL_AND_INPUT_REFUSALS = (
      f"untested with the tree runner; supported: {SUPPORTED_PARALLELISM}; run one engine per replica instead"),
     ("enable_lora", bool, "the head drafts on the base model's features"),
     ("enable_prompt_embeds", bool, "the head drafts from token ids"),
+    # vLLM calls eplb_state.prepare_forward before each of its drafter forwards; the tree drafter's do not
+    ("enable_eplb", bool, "the tree drafter's forwards do not report expert load to vLLM's EPLB state"),
 )
 
 

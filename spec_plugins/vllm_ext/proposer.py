@@ -171,6 +171,12 @@ def drafts_that_fit(kv_len: int, max_model_len: int, num_drafts: int) -> int:
     return max(0, min(num_drafts, max_model_len - kv_len - 2))
 
 
+# MTP modules tree mode drafts with (their inputs mirror vLLM 0.32/0.33's forward; tests/model/test_vllm_mtp_trees.py).
+# Others vLLM runs under "mtp" (DeepSeek's over MLA, Qwen3-Next's hybrid, Gemma-4's and Step-3.5's own proposers,
+# targets with get_mtp_target_hidden_states) take other inputs or proposers.
+MTP_DRAFT_ARCHITECTURES = ("MiMoMTPModel", "Glm4MoeMTPModel")
+
+
 def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:
     """Startup checks of a head config against the target's (HF configs), with
     errors naming the head: kind vs method, one layer, sizes, aux layers."""
@@ -185,6 +191,11 @@ def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:
         if layers != 1:
             raise TreeConfigError(f"spec_tree drafts with one MTP layer (reused at every depth, as vLLM's V1 "
                                   f"chain does); {folder} has num_nextn_predict_layers={layers}")
+        archs = list(getattr(head_cfg, "architectures", None) or [])
+        if not set(archs) & set(MTP_DRAFT_ARCHITECTURES):
+            raise TreeConfigError(f"spec_tree with method 'mtp' drafts with the MTP modules it is tested with "
+                                  f"({', '.join(MTP_DRAFT_ARCHITECTURES)}); vLLM loads {folder}'s as {archs}, whose "
+                                  "inputs or proposer may differ; drop spec_tree for it")
         return
     kind = head_method(folder) if (Path(folder) / "config.json").is_file() else (
         head_kind_of_architectures(getattr(head_cfg, "architectures", None)).vllm_method)

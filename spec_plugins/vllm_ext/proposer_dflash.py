@@ -66,7 +66,9 @@ class TreeDFlashProposer(DFlashProposer):
     def take_trees(self) -> DraftTrees:
         """The trees of the last ``propose`` (one per request of the batch)."""
         trees, self.trees = self.trees, None
-        assert trees is not None, "TreeDFlashProposer.propose did not reach the mask rows' sampling"
+        if trees is None:  # vLLM's propose no longer samples all mask rows in one _sample_draft_tokens call
+            raise RuntimeError("TreeDFlashProposer: vLLM's propose did not reach the mask rows' sampling "
+                               "(_sample_draft_tokens); this vLLM's DFlash proposer is not the one tree mode hooks")
         return trees
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata):

@@ -57,6 +57,7 @@ import spec_tree_kernels as stk
 
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import settings_from_vllm_config
+from .errors import TreeConfigError
 from .proposer import (
     TreeDrafter,
     check_head_fits_target,
@@ -161,6 +162,14 @@ class TreeRunnerMixin:
         super().load_model(*args, **kwargs)  # loads the target and vLLM's EAGLE head (self.drafter.model)
         if spec.method != "mtp":  # an MTP model computes its own logits (TreeDrafter.logits)
             share_tied_lm_head(self.drafter.model, self.get_model())  # a tied target without lm_head (Gemma-2)
+        elif type(self.drafter).__name__ != "EagleProposer" or hasattr(self.get_model(), "get_mtp_target_hidden_states"):
+            # vLLM 0.33 runs some MTP targets with their own proposers (Gemma-4, Step-3.5) or feeds their MTP
+            # layer another hidden state (get_mtp_target_hidden_states): TreeDrafter mirrors neither
+            raise TreeConfigError(f"spec_tree with method 'mtp': vLLM drafts for {spec.draft_model_config.model} "
+                                  f"with {type(self.drafter).__name__}"
+                                  + (" from the target's get_mtp_target_hidden_states" if hasattr(
+                                      self.get_model(), "get_mtp_target_hidden_states") else "")
+                                  + "; tree mode drives EagleProposer's MTP layer only; drop spec_tree for it")
         check_loaded_head(self.drafter.model, self.vllm_config.model_config.get_vocab_size(),
                           spec.draft_model_config.model)
         self.tree_drafter = TreeDrafter(self, self.tree_settings.shape, self.tree_impl)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 
 import pytest
 
@@ -170,7 +171,21 @@ def test_mtp_drafters_other_than_one_layer_are_refused_by_name(layers):
     draft = SimpleNamespace(num_nextn_predict_layers=layers, num_hidden_layers=2, hidden_size=128)
     with pytest.raises(TreeConfigError, match=f"num_nextn_predict_layers={layers}"):
         check_head_fits_target(draft, SimpleNamespace(hidden_size=128, num_hidden_layers=2), "mtp", "/ckpt")
-    check_head_fits_target(SimpleNamespace(num_nextn_predict_layers=1), None, "mtp", "/ckpt")  # served
+    for arch in ("MiMoMTPModel", "Glm4MoeMTPModel"):  # served
+        check_head_fits_target(SimpleNamespace(num_nextn_predict_layers=1, architectures=[arch]), None, "mtp", "/c")
+
+
+@pytest.mark.parametrize("arch", ["Qwen3NextMTP", "ErnieMTPModel", None])
+def test_mtp_modules_tree_mode_was_not_tested_with_are_refused_by_name(arch):
+    """Other MTP modules vLLM runs under method 'mtp' take other inputs or proposers
+    (proposer.MTP_DRAFT_ARCHITECTURES): refused when the runner loads the model."""
+    from types import SimpleNamespace
+
+    from spec_plugins.vllm_ext.proposer import check_head_fits_target
+
+    draft = SimpleNamespace(num_nextn_predict_layers=1, architectures=[arch] if arch else None)
+    with pytest.raises(TreeConfigError, match=re.escape(f"loads /ckpt's as {[arch] if arch else []}")):
+        check_head_fits_target(draft, None, "mtp", "/ckpt")
 
 
 def test_mtp_trees_over_an_mla_target_are_refused_by_name(tmp_path):

@@ -102,6 +102,7 @@ def test_prepare_engine_args_fills_what_the_tree_needs():
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ({"worker_cls": "my.Worker"}, "worker_cls"),
     ({"enable_lora": True}, "enable_lora"),
+    ({"enable_eplb": True}, "enable_eplb"),
 ])
 def test_prepare_engine_args_refuses(overrides, needle):
     with pytest.raises(tc.TreeConfigError, match=needle):
