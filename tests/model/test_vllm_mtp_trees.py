@@ -49,6 +49,11 @@ TREE = (5, 4, 8)
 CHAIN = (4, 1, 5)  # verified by vLLM's rejection sampler; 4 drafts like vLLM's chain in the oracle check
 
 
+def engine_kwargs(target, **overrides) -> dict:
+    """The chain file's engine settings, its KV size stated here too (tests/test_engine_sizing.py)."""
+    return {**chain.engine_kwargs(target, **overrides), "kv_cache_memory_bytes": chain.KV_BYTES}
+
+
 def spec_tree(shape) -> dict:
     return {"speculative_config": {"method": "mtp"},
             "additional_config": {"spec_tree": dict(zip(("num_steps", "topk", "num_draft_tokens"), shape))}}
@@ -84,7 +89,7 @@ def recorded_drafts(arch: str, tree: bool) -> tuple[list[list[int]], list[int]]:
     from vllm import LLM, SamplingParams
 
     kw = spec_tree(CHAIN) if tree else {"speculative_config": {"method": "mtp", "num_speculative_tokens": 4}}
-    llm = LLM(**chain.engine_kwargs(mtp_target(arch), **kw))
+    llm = LLM(**engine_kwargs(mtp_target(arch), **kw))
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     drafts: list[list[int]] = []
     if tree:
@@ -131,7 +136,7 @@ def test_oracle_mtp_trees_identical_with_deep_acceptance(arch, reference):
     from vllm import LLM, SamplingParams
 
     shape, ref = TREE, reference(arch)  # the reference engine first: one engine alive at a time
-    llm = LLM(**chain.engine_kwargs(mtp_target(arch), **spec_tree(shape)))
+    llm = LLM(**engine_kwargs(mtp_target(arch), **spec_tree(shape)))
     oracle = TreeOracle.from_outputs(chain.PROMPTS, ref, VOCAB).install(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in chain.MAX_TOKENS]
     outs = llm.generate([{"prompt_token_ids": p} for p in chain.PROMPTS], params, use_tqdm=False)
@@ -153,7 +158,7 @@ def test_mtp_trees_are_refused_on_the_v2_runner(monkeypatch):
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(TreeConfigError, match="V1 model runner only") as refused:
-        LLM(**chain.engine_kwargs(mtp_target("mimo"), **spec_tree(TREE)))
+        LLM(**engine_kwargs(mtp_target("mimo"), **spec_tree(TREE)))
     assert "method='mtp'" in str(refused.value)
     gc.collect()
 
@@ -198,5 +203,5 @@ def test_mtp_trees_over_an_mla_target_are_refused_by_name(tmp_path):
     kw = spec_tree(TREE)
     kw["speculative_config"]["attention_backend"] = "CPU_MLA"  # pinned as test_vllm_tree_oracle pins MLA engines
     with pytest.raises(TreeConfigError, match="multi-head latent attention"):
-        LLM(**chain.engine_kwargs(target, attention_config={"backend": "CPU_MLA"}, **kw))
+        LLM(**engine_kwargs(target, attention_config={"backend": "CPU_MLA"}, **kw))
     gc.collect()
