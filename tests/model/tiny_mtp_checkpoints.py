@@ -25,6 +25,15 @@ glm4_moe    ``Glm4MoeForCausalLM`` (``glm4_moe_mtp`` / ``Glm4MoeMTP``): a dense
             ``shared_head`` (norm, head), DeepSeek-V3's layout.
 ==========  ===============================================================
 
+The MTP layer is trained by default (``mtp="trained"``): ``tests/model/data/
+tiny_mtp_{arch}.safetensors`` holds the MTP tensors that
+``tests/model/train_tiny_mtp.py`` trained on the seed-0 target's own greedy
+continuations (trunk frozen), so vLLM's MTP chain and tree mode's MTP trees
+accept real drafts. The file carries the sha256 of the trunk it was trained on
+(``trunk_digest``); the build refuses a trunk that differs (another torch
+would otherwise silently give near-zero acceptance). ``mtp="random"`` keeps the
+random MTP layer.
+
 The folders are cached under ``~/.cache/spec-plugins/tiny-mtp/`` (override:
 ``SPEC_PLUGINS_TINY_MTP_DIR``), keyed by ``VERSION``: bump it when the recipe
 changes. Each is written to a temporary folder and renamed into place, so a
@@ -33,6 +42,7 @@ half-written checkpoint is never picked up.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -43,7 +53,9 @@ import torch
 
 from tiny_checkpoints import _COMMON, HIDDEN, WEIGHT_STD, _randomize, write_tokenizer
 
-VERSION = 1
+VERSION = 2
+MTP_VARIANTS = ("trained", "random")
+DATA = Path(__file__).parent / "data"
 MTP_ARCHITECTURES = ("mimo", "glm4_moe")
 TARGET_LAYERS = 2  # decoder layers the target keeps; the MTP layer is built as one more
 
@@ -85,8 +97,47 @@ def _mtp_tensors(arch: str, sd: dict, n: int, gen: torch.Generator) -> dict:
             p + "shared_head.head.weight": sd["lm_head.weight"].clone()}
 
 
-def build_mtp_target(arch: str, folder, seed: int = 0) -> Path:
-    """Write the tiny ``arch`` target with one MTP layer (config, fp32 safetensors, tokenizer)."""
+def trained_mtp_file(arch: str) -> Path:
+    return DATA / f"tiny_mtp_{arch}.safetensors"
+
+
+def is_mtp_key(key: str) -> bool:
+    return key.startswith((f"model.layers.{TARGET_LAYERS}.", "model.mtp_layers."))
+
+
+def trunk_digest(sd: dict) -> str:
+    """sha256 over the trunk's tensors (every key but the MTP layer's), names and bytes, in name order."""
+    h = hashlib.sha256()
+    for k in sorted(k for k in sd if not is_mtp_key(k)):
+        t = sd[k].detach().contiguous().cpu()
+        h.update(f"{k}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _trained_mtp(arch: str, sd: dict, seed: int) -> dict:
+    """The trained MTP tensors, checked against the trunk they were trained on."""
+    from safetensors import safe_open
+
+    path = trained_mtp_file(arch)
+    assert seed == 0, f"trained MTP layers exist for seed 0 only (tests/model/train_tiny_mtp.py), not {seed}"
+    with safe_open(str(path), "pt") as f:
+        want = (f.metadata() or {}).get("trunk_sha256")
+        trained = {k: f.get_tensor(k) for k in f.keys()}
+    got = trunk_digest(sd)
+    if got != want:
+        raise RuntimeError(f"{path.name} was trained on a tiny {arch} trunk with sha256 {want}, but this machine "
+                           f"builds one with {got} (torch's seeded RNG or transformers' init changed): retrain "
+                           "with tests/model/train_tiny_mtp.py")
+    unknown = set(trained) - {k for k in sd if is_mtp_key(k)}
+    assert not unknown, f"{path.name} has tensors the MTP layer has not: {sorted(unknown)}"
+    return trained
+
+
+def build_mtp_target(arch: str, folder, seed: int = 0, mtp: str = "trained") -> Path:
+    """Write the tiny ``arch`` target with one MTP layer (config, fp32 safetensors, tokenizer);
+    ``mtp``: "trained" (tests/model/data) or "random"."""
+    assert mtp in MTP_VARIANTS, (mtp, MTP_VARIANTS)
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -111,20 +162,22 @@ def build_mtp_target(arch: str, folder, seed: int = 0) -> Path:
     assert len(files) == 1, files  # a tiny model is one shard
     sd = load_file(str(files[0]))
     sd.update(_mtp_tensors(arch, sd, TARGET_LAYERS, torch.Generator().manual_seed(seed + 1)))
+    if mtp == "trained":
+        sd.update(_trained_mtp(arch, sd, seed))
     save_file({k: v.contiguous() for k, v in sd.items()}, str(files[0]), metadata={"format": "pt"})
     write_tokenizer(folder)
     return folder
 
 
-def mtp_target(arch: str, seed: int = 0) -> Path:
-    """The cached tiny ``arch`` MTP target, built on first use."""
-    folder = cache_root() / f"{arch}-v{VERSION}-seed{seed}"
+def mtp_target(arch: str, seed: int = 0, mtp: str = "trained") -> Path:
+    """The cached tiny ``arch`` MTP target, built on first use (same trunk for both ``mtp`` variants)."""
+    folder = cache_root() / f"{arch}-v{VERSION}-seed{seed}-{mtp}"
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=folder.parent))
     try:
-        build_mtp_target(arch, tmp, seed)
+        build_mtp_target(arch, tmp, seed, mtp)
         try:
             tmp.rename(folder)
         except OSError:  # another process built it first: theirs is the same checkpoint
