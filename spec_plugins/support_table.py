@@ -62,6 +62,7 @@ class Case:
 
 
 ORACLE = "tests/model/test_vllm_tree_oracle.py"
+MTP = "tests/model/test_vllm_mtp_trees.py"
 WINDOWED = "test_windowed_and_sink_targets_identical_with_deep_acceptance"
 SCORED = "test_soft_capped_and_alibi_targets_identical_with_deep_acceptance"
 
@@ -88,11 +89,16 @@ class Row:
 
 
 ROWS = (
-    Row("full causal attention (MHA / GQA)", "Llama, Qwen2/3 dense, Mistral", "LlamaConfig",
+    Row("full causal attention (MHA / GQA)", "Llama, Qwen2/3 dense, Mistral; MiMo, GLM-4.5 with their MTP layer",
+        "LlamaConfig",
         e2e=(Case("tests/model/test_vllm_tree_e2e.py", "test_tree_greedy_identical_batch_and_single",
                   what="SmolLM2-135M, shipped heads"),
              Case(ORACLE, "test_oracle_trees_on_llama_identical_with_deep_acceptance",
-                  what="tiny Llama, oracle drafter"))),
+                  what="tiny Llama, oracle drafter"),
+             *(Case(MTP, "test_mtp_tree_acceptance_beside_vllms_mtp_chain", arch,
+                    f"tiny {family}-style, its trained MTP layer drafting (`method: \"mtp\"`, V1), "
+                    "beside vLLM's MTP chain")
+               for arch, family in (("mimo", "MiMo"), ("glm4_moe", "GLM-4-MoE"))))),
     Row("sliding windows (some or all layers)", "Gemma-3, Mistral with windows", "Gemma3TextConfig",
         e2e=(Case(ORACLE, WINDOWED, "gemma3", "tiny Gemma-3-style, oracle drafter"),)),
     Row("attention sinks + alternating windows", "gpt-oss", "GptOssConfig",
