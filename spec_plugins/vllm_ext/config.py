@@ -205,6 +205,11 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     if SPEC_TREE_KEY not in extra:
         return None
     spec = merge_spec_flags(engine_args)
+    if spec.get("rejection_sample_method", "standard") != "standard":
+        raise TreeConfigError(f"speculative_config rejection_sample_method={spec['rejection_sample_method']!r} is "
+                              "not supported with spec_tree: the tree walk verifies every tree against the target "
+                              "(exact acceptance), so synthetic or block acceptance would silently not apply; "
+                              "leave it 'standard'")
     settings = settings_with_spec_tokens(extra[SPEC_TREE_KEY], spec.get("num_speculative_tokens"))
     engine_args.additional_config = {**extra, SPEC_TREE_KEY: settings.as_dict()}
     if spec.get("method") == BLOCK_DRAFTER_METHOD:

@@ -103,6 +103,7 @@ def test_prepare_engine_args_fills_what_the_tree_needs():
     ({"worker_cls": "my.Worker"}, "worker_cls"),
     ({"enable_lora": True}, "enable_lora"),
     ({"enable_eplb": True}, "enable_eplb"),
+    ({"speculative_config": {"method": "eagle3", "rejection_sample_method": "synthetic"}}, "rejection_sample_method"),
 ])
 def test_prepare_engine_args_refuses(overrides, needle):
     with pytest.raises(tc.TreeConfigError, match=needle):
