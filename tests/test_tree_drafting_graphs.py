@@ -15,7 +15,7 @@ aot_eager backend: the check is tracing without breaks, not inductor's code.
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_venv.sh builds .venv)")
 
 import spec_tree_kernels as stk  # noqa: E402
 from spec_tree_kernels import reference  # noqa: E402

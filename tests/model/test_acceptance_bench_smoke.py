@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="transformers is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 from smollm2_gate import require_smollm2  # noqa: E402
 
 require_smollm2()

