@@ -33,7 +33,7 @@ d_o, d_i] of the cache and answers the indexing the ops do on a 4-D view:
 
 The torch paths serve it (``attention_plan`` torch, ``branch_attention``
 torch, the reference move); the host C kernel, Triton and CUDA take strided
-views only and refuse it (``is_tiled``). A strided layout stays a plain
+views only and refuse it (``refuse_tiled``). A strided layout stays a plain
 tensor (``tiled_or_plain``), so nothing changes for the layouts served before.
 """
 
@@ -124,19 +124,22 @@ class TiledKV:
         return f"TiledKV(shape={tuple(self.shape)}, tiles={tuple(self.tiles.shape)}, strides={self.stride()})"
 
 
-def is_tiled(cache) -> bool:
-    return isinstance(cache, TiledKV)
-
-
 def tiled_or_plain(tiles: torch.Tensor):
     """``tiles`` [num_blocks, t_o, t_i, Hkv, d_o, d_i] as a plain [num_blocks,
     block_size, Hkv, D] view where strides can say it (one tile per block
     along tokens, whole dims: t_o = d_i = 1), else a ``TiledKV``."""
-    nb, t_o, t_i, heads, d_o, d_i = tiles.shape
-    if t_o == 1 and d_i == 1:
-        return tiles[:, 0, :, :, :, 0]
-    return TiledKV(tiles)
+    return paged_view(tiles, tiles.shape, tiles.stride(), tiles.storage_offset())
 
+
+def paged_view(base: torch.Tensor, shape, strides, offset: int):
+    """``tiled_or_plain`` of ``base.as_strided(shape, strides, offset)`` (6-D
+    tile shape and strides), a plain view built directly, without the 6-D view
+    (engines rebuild their cache views per layer per step)."""
+    nb, t_o, t_i, heads, d_o, d_i = shape
+    if t_o == 1 and d_i == 1:
+        s_block, _, s_ti, s_head, s_do, _ = strides
+        return base.as_strided((nb, t_i, heads, d_o), (s_block, s_ti, s_head, s_do), offset)
+    return TiledKV(base.as_strided(shape, strides, offset))
 
 
 def refuse_tiled(impl: str, **caches) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from spec_tree_kernels.kv_layout import tiled_or_plain
+from spec_tree_kernels.kv_layout import paged_view
 
 from .attention import TreeRowsMixin, forget_resolved_backends
 
@@ -34,13 +34,9 @@ def cpu_kv_views(kv_cache: torch.Tensor, isa: str):
     k_tiles, v_tiles = _cpu_kv_tiles(isa, kv_cache.dtype, block_size, head_size)
     views = []
     for (t_i, d_i, s_to, s_ti, s_do, s_di), start in ((k_tiles, 0), (v_tiles, block_size * head_size)):
-        offset = kv_cache.storage_offset() + start
-        if t_i == block_size and d_i == 1:  # strided (fp32 "vec"): the plain view directly, called per layer per step
-            views.append(kv_cache.as_strided((num_blocks, block_size, num_kv_heads, head_size),
-                                             (s_block, s_ti, s_head, s_do), offset))
-            continue
         shape = (num_blocks, block_size // t_i, t_i, num_kv_heads, head_size // d_i, d_i)
-        views.append(tiled_or_plain(kv_cache.as_strided(shape, (s_block, s_to, s_ti, s_head, s_do, s_di), offset)))
+        views.append(paged_view(kv_cache, shape, (s_block, s_to, s_ti, s_head, s_do, s_di),
+                                kv_cache.storage_offset() + start))
     return views[0], views[1]
 
 

@@ -177,6 +177,17 @@ def drafts_that_fit(kv_len: int, max_model_len: int, num_drafts: int) -> int:
 MTP_DRAFT_ARCHITECTURES = ("MiMoMTPModel", "Glm4MoeMTPModel")
 
 
+def check_mtp_proposer(proposer, target, folder) -> None:
+    """vLLM 0.33 runs some MTP targets with their own proposers (Gemma-4, Step-3.5)
+    or feeds their MTP layer another hidden state (``get_mtp_target_hidden_states``):
+    ``TreeDrafter`` mirrors neither, only ``EagleProposer``'s MTP layer."""
+    kind = type(proposer).__name__
+    if kind != "EagleProposer" or hasattr(target, "get_mtp_target_hidden_states"):
+        source = " from the target's get_mtp_target_hidden_states" if kind == "EagleProposer" else ""
+        raise TreeConfigError(f"spec_tree with method 'mtp': vLLM drafts for {folder} with {kind}{source}; tree mode "
+                              "drives EagleProposer's MTP layer only; drop spec_tree for it")
+
+
 def check_head_fits_target(head_cfg, target_cfg, method: str, folder) -> None:
     """Startup checks of a head config against the target's (HF configs), with
     errors naming the head: kind vs method, one layer, sizes, aux layers."""

@@ -57,11 +57,11 @@ import spec_tree_kernels as stk
 
 from .attention import VerifyTrees, check_tree_attention_installed, publish_verify_trees
 from .config import settings_from_vllm_config
-from .errors import TreeConfigError
 from .proposer import (
     TreeDrafter,
     check_head_fits_target,
     check_loaded_head,
+    check_mtp_proposer,
     drafts_that_fit,
     share_embeddings_with_any_target,
     share_tied_lm_head,
@@ -162,14 +162,8 @@ class TreeRunnerMixin:
         super().load_model(*args, **kwargs)  # loads the target and vLLM's EAGLE head (self.drafter.model)
         if spec.method != "mtp":  # an MTP model computes its own logits (TreeDrafter.logits)
             share_tied_lm_head(self.drafter.model, self.get_model())  # a tied target without lm_head (Gemma-2)
-        elif type(self.drafter).__name__ != "EagleProposer" or hasattr(self.get_model(), "get_mtp_target_hidden_states"):
-            # vLLM 0.33 runs some MTP targets with their own proposers (Gemma-4, Step-3.5) or feeds their MTP
-            # layer another hidden state (get_mtp_target_hidden_states): TreeDrafter mirrors neither
-            raise TreeConfigError(f"spec_tree with method 'mtp': vLLM drafts for {spec.draft_model_config.model} "
-                                  f"with {type(self.drafter).__name__}"
-                                  + (" from the target's get_mtp_target_hidden_states" if hasattr(
-                                      self.get_model(), "get_mtp_target_hidden_states") else "")
-                                  + "; tree mode drives EagleProposer's MTP layer only; drop spec_tree for it")
+        else:
+            check_mtp_proposer(self.drafter, self.get_model(), spec.draft_model_config.model)
         check_loaded_head(self.drafter.model, self.vllm_config.model_config.get_vocab_size(),
                           spec.draft_model_config.model)
         self.tree_drafter = TreeDrafter(self, self.tree_settings.shape, self.tree_impl)
@@ -418,23 +412,27 @@ class TreeRunnerMixin:
         """The next step's trees for the drafting requests; the step's one host
         read brings their tokens (for vLLM's scheduler), parents and top-1 marks
         (for the next step's tree build) in one copy."""
-        R = len(step.scheduled)
-        req_ids = self.input_batch.req_ids[:R]
-        drafts: list[list[int]] = [[] for _ in range(R)]
         rows = step.drafting if shape is not None else step.drafting[:0]
-        for r in np.setdiff1d(np.arange(R), rows):
-            self._drafted.pop(req_ids[r], None)
-        self.tree_stats.not_speculated += R - len(step.drafting)
-        if len(rows) == 0:
+        self.tree_stats.not_speculated += len(step.scheduled) - len(step.drafting)
+        drafts, rows_dev = self._drafting_rows(step, rows)
+        if rows_dev is None:
             return drafts
-        dev = last_hidden.device
-        rows_dev = upload(rows.astype(np.int64), dev)
         sample_rows = step.last_row[rows_dev]
         block_table = self.input_batch.block_table[self.drafter.kv_cache_gid].block_table.gpu
         trees = self.tree_drafter.draft(last_hidden[sample_rows], next_hidden[sample_rows], step.kv_len[rows_dev],
                                         int(step.kv_bound[rows].max()), block_table[rows_dev.to(block_table.device)],
                                         self._draft_kv_views(), shape)
         return self._hand_out_trees(step, rows, rows_dev, trees, drafts)
+
+    def _drafting_rows(self, step: DraftingStep, rows: np.ndarray) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Empty drafts for the batch, and ``rows`` (the requests that draft this
+        step) on the device, None when there are none; every other request
+        forgets its last tree (its next step verifies none)."""
+        R = len(step.scheduled)
+        req_ids = self.input_batch.req_ids
+        for r in np.setdiff1d(np.arange(R), rows):
+            self._drafted.pop(req_ids[r], None)
+        return [[] for _ in range(R)], upload(rows.astype(np.int64), step.kv_len.device) if len(rows) else None
 
     def _hand_out_trees(self, step: DraftingStep, rows: np.ndarray, rows_dev: torch.Tensor, trees,
                         drafts: list[list[int]]) -> list[list[int]]:
@@ -467,7 +465,6 @@ class TreeRunnerMixin:
         num_rows = scheduler_output.total_num_scheduled_tokens
         step = self._drafting_step(num_rows)
         R = len(step.scheduled)
-        drafts: list[list[int]] = [[] for _ in range(R)]
         source = self._path_rows(num_rows)  # before the commit forgets the walk
         self._commit_verified_trees()  # (marks: the commit and input assembly are ours, the propose the head's)
         # vLLM's own bound for its DFlash chain (``_input_fits_in_drafter``, which the tree runner decides per
@@ -480,7 +477,7 @@ class TreeRunnerMixin:
             self._drafted.clear()
             for name in ("draft_inputs", "extend_end", "kv_moved", "draft_end"):  # no head ran: all ours
                 mark(name)
-            return drafts
+            return [[] for _ in range(R)]
         # the bonus token of every request (vLLM's own helper: the last valid sampled token, or mid-prefill the
         # request's backup token) and the rows past each request's committed path
         next_token_ids, _ = drafter.prepare_next_token_ids_padded(sampled_token_ids, self.requests, self.input_batch,
@@ -505,11 +502,9 @@ class TreeRunnerMixin:
         mark("kv_moved")  # already moved, before the drafter wrote its context K/V over the verify slots
         self.tree_stats.block_tree_steps += 1
         rows = step.drafting
-        for r in np.setdiff1d(np.arange(R), rows):
-            self._drafted.pop(self.input_batch.req_ids[r], None)
         self.tree_stats.not_speculated += R - len(rows)
-        if len(rows):
-            rows_dev = upload(rows.astype(np.int64), step.kv_len.device)
+        drafts, rows_dev = self._drafting_rows(step, rows)
+        if rows_dev is not None:
             trees = type(trees)(tokens=trees.tokens[rows_dev], parents=trees.parents[rows_dev],
                                 top1=trees.top1[rows_dev])
             self._hand_out_trees(step, rows, rows_dev, trees, drafts)
