@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export TRITON_INTERPRET=1 PYTHONHASHSEED=0
 export SPEC_PLUGINS_NO_SKIPS=1  # every skip names a tool CI has: a skip here is a failure (tests/conftest.py)
-python3 ci/cpu_features.py  # the CPU this run saw (vLLM-CPU picks MLA backends and K layouts by AVX2 / AVX-512 / AMX)
+python3 -m spec_plugins.cpu_features  # the CPU this run saw (vLLM-CPU picks MLA backends and K layouts by AVX2 / AVX-512 / AMX)
 bash ci/setup_venv.sh
 bash ci/setup_sglang_venv.sh
 bash ci/setup_model_venv.sh

@@ -100,6 +100,8 @@ def build(compiler: str | None = None) -> bool:
     lib.spec_tree_attention_workspace.restype = i64
     lib.spec_tree_attention_lanes.argtypes = []
     lib.spec_tree_attention_lanes.restype = i64
+    lib.spec_tree_fma_per_second.argtypes = [i64, i64]  # iters, threads
+    lib.spec_tree_fma_per_second.restype = ctypes.c_double
     lib.spec_branch_attention_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64,
                                               i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, f32, ptr, ptr,
                                               i64, f32, ptr, ptr]  # window, soft_cap, sinks, alibi
@@ -114,6 +116,13 @@ def register_block_floats() -> int:
     """Floats per register block of the built kernel: one vector register of the
     build CPU (16 with AVX-512, 8 with AVX2, 4 otherwise; ``build()`` first)."""
     return int(_lib.spec_tree_attention_lanes())
+
+
+def fma_per_second(threads: int, iters: int = 20_000_000) -> float:
+    """Float FMAs per second this build's register block sustains on ``threads``
+    threads, all in registers: the machine's ceiling for the kernel's two FMA
+    passes (the kernel bench's roofline; ``build()`` first)."""
+    return float(_lib.spec_tree_fma_per_second(iters, threads))
 
 
 def available() -> bool:

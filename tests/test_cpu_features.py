@@ -1,16 +1,10 @@
-"""ci/cpu_features.py: the CPU-features line ci/test.sh prints first (issue #50 item 1),
+"""spec_plugins.cpu_features: the CPU-features line ci/test.sh prints first (issue #50 item 1),
 parsed from synthetic /proc/cpuinfo texts of the three x86 kinds vLLM-CPU tells apart
 (AVX2 only, AVX-512, AMX) and an Arm one."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ci_cpu_features", ROOT / "ci" / "cpu_features.py")
-cpu_features = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cpu_features)
+from spec_plugins import cpu_features
 
 
 def cpuinfo(model: str, flags: str, cpus: int = 2, key: str = "flags", model_key: str = "model name") -> str:

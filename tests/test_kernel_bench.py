@@ -174,5 +174,34 @@ def test_cpu_attention_bench_point_times_all_three_on_the_same_rows(capsys):
     row = bench.bench_point(batch=2, context=150, rounds=3)
     assert row["torch"] > 0 and row["cpu"] > 0 and row["cpu_max_abs_err"] < 1e-4
     assert (row["vllm"] is None) == (importlib.util.find_spec("vllm") is None)
-    assert bench.main(["--context", "20", "--batch", "1", "--threads", "1", "--rounds", "2"]) == 0
-    assert "| 1 | 1 | 20 |" in capsys.readouterr().out
+    assert bench.main(["--context", "20", "--batch", "1", "--threads", "1", "--rounds", "2", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cpu: ") and "G float FMA/s register-only" in out  # the machine, then its ceiling
+    row = next(line for line in out.splitlines() if line.startswith("| 1 | 1 | 20 |"))
+    assert row.split("|")[9].strip().endswith("%")  # the host kernel's share of the FMA ceiling
+
+
+def test_cpu_attention_bench_roofline_counts_every_lane_and_thread():
+    """The FMA ceiling the bench divides by: float FMAs per second, all lanes and
+    threads counted (timed inside the C loop, so at least the rate seen from
+    outside the call and not far above it); the nominal work of one point
+    counted by hand."""
+    import time
+
+    import pytest
+
+    from spec_plugins.kernel_bench import cpu_attention as bench
+    from spec_tree_kernels import cpu_attention
+
+    if cpu_attention.find_compiler() is None:
+        pytest.skip("no host C compiler to build the kernel")
+    assert cpu_attention.build(), cpu_attention.build_error()
+    iters, chains, lanes = 2_000_000, 12, cpu_attention.register_block_floats()
+    for threads in (1, 2):
+        t0 = time.perf_counter()
+        rate = cpu_attention.fma_per_second(threads, iters)
+        seen_from_outside = iters * chains * lanes * threads / (time.perf_counter() - t0)
+        assert seen_from_outside <= rate < 2 * seen_from_outside, (threads, rate, seen_from_outside)
+    # 4 FLOPs (2 FMAs) per row, position and dim: 1 request x 9 heads x 8 nodes x (150 + 8) positions x 64
+    assert bench.nominal_flops(batch=1, context=150) == 4 * 9 * 8 * 158 * 64
+    assert bench.ratio_range([1.02, 0.97, 1.10]) == "1.02 [0.97, 1.10]"

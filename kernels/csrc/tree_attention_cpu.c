@@ -51,6 +51,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -144,6 +145,43 @@ static inline float hsum(vec x) {
     float s = 0.0f;
     for (int l = 0; l < LANES; ++l) s += x[l];
     return s;
+}
+
+/* The kernel bench's roofline: float FMAs per second that this build's register block sustains on
+ * `threads` OpenMP threads, each running `iters` rounds of FMA_CHAINS independent register-only FMA
+ * chains (enough chains to cover the FMA latency on every x86 core: 4 cycles x 2 pipes). Both passes
+ * of spec_tree_attention_run are FMA loops, so its FLOP rate over this one is how far from the
+ * machine's ceiling it runs, and the same holds for any other kernel timed beside it. */
+#define FMA_CHAINS 12
+static double monotonic_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+double spec_tree_fma_per_second(int64_t iters, int64_t threads) {
+    volatile float seed = 1.0f, step = 1e-9f;  /* volatile: the loop cannot be folded at build time */
+    volatile float sink = 0.0f;
+    double seconds = 0.0;
+    int64_t ran = 0;  /* threads that ran (1 where OpenMP did not build) */
+#pragma omp parallel num_threads((int)threads) reduction(max : seconds) reduction(+ : ran)
+    {
+        vec acc[FMA_CHAINS];
+        for (int c = 0; c < FMA_CHAINS; ++c) acc[c] = splat(seed + (float)c);
+        const vec scale = splat(seed), add = splat(step);
+#pragma omp barrier
+        const double t0 = monotonic_seconds();
+        for (int64_t i = 0; i < iters; ++i)
+            for (int c = 0; c < FMA_CHAINS; ++c) acc[c] = acc[c] * scale + add;
+        seconds = monotonic_seconds() - t0;
+        ran = 1;
+        float total = 0.0f;
+        for (int c = 0; c < FMA_CHAINS; ++c) total += hsum(acc[c]);
+#pragma omp critical
+        sink += total;
+    }
+    (void)sink;
+    return seconds > 0.0 ? (double)iters * FMA_CHAINS * LANES * (double)ran / seconds : 0.0;
 }
 
 /* The register block this build chose (floats): the startup log, the kernel bench and a test read it. */

@@ -8,7 +8,8 @@ ci/test.sh prints this line first, so a result can be read against the machine:
     cpu: AMD EPYC (x86_64, 2 cpus) avx2 avx512f avx512_bf16 no-amx
 
 Read from /proc/cpuinfo's flags (Linux); ``describe`` parses any cpuinfo text.
-Run: ``python3 ci/cpu_features.py`` (standard library only, no venv needed).
+Run: ``python3 -m spec_plugins.cpu_features`` from the repository (standard library only, no venv
+needed); the host-kernel bench (``spec_plugins.kernel_bench.cpu_attention``) prints the same line.
 """
 
 from __future__ import annotations
