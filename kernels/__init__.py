@@ -13,7 +13,7 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``verify_tree_sampling`` the same walk for temperature > 0: target-only recursive
                          rejection with caller-supplied randoms (exact in distribution).
 * ``build_block_tree``   DDTree: best-first tree over a block drafter's per-position top-K
-                         (``block_tree.py``; ``BlockTree``, ``block_tree_capacity``).
+                         (``block_tree.py``; ``BlockTree``, ``block_tree_capacity``, ``BlockTreeShape``).
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
 * ``mask_bytes_per_request`` memory of each mask mode.
 * ``TreeShape``          (num_steps, topk, num_draft_tokens), validated; ``TreeShape.parse("5,4,8")``.
@@ -48,7 +48,7 @@ from .api import (
     verify_tree_greedy,
     verify_tree_sampling,
 )
-from .block_tree import BlockTree, block_tree_capacity, build_block_tree, validate_block_tree_shape
+from .block_tree import BlockTree, BlockTreeShape, block_tree_capacity, build_block_tree, validate_block_tree_shape
 from .modes import TreeMaskMode, mask_bytes_per_request, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
 from .startup import prepare
@@ -74,6 +74,7 @@ __all__ = [
     "TreeBuild",
     "TreeMaskMode",
     "TreeShape",
+    "BlockTreeShape",
     "VerifyResult",
     "block_tree_capacity",
     "build_block_tree",

@@ -17,7 +17,7 @@ from .api import _check_tensor, resolve_impl
 from .block_tree_reference import BlockTree
 from .block_tree_reference import build_block_tree as _reference
 from .modes import MAX_TREE_NODES
-from .tree_shape import check_positive
+from .tree_shape import TreeShape, check_positive
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -47,6 +47,26 @@ def validate_block_tree_shape(length: int, topk: int, num_nodes: int) -> None:
     if num_nodes + 1 > MAX_TREE_NODES:
         raise ValueError(f"num_nodes={num_nodes} gives trees of {num_nodes + 1} nodes; at most {MAX_TREE_NODES} "
                          f"are supported (num_nodes <= {MAX_TREE_NODES - 1})")
+
+
+class BlockTreeShape(TreeShape):
+    """A DDTree shape over a block drafter: num_steps = L, the block's mask rows
+    (the deepest a tree reaches), topk = K tokens per position, num_draft_tokens
+    = T (the root and N = T - 1 drafts). One drafter forward gives every
+    position's top-K, so a tree may hold any of the sum_{d=1..L} K^d rank
+    sequences (``validate_block_tree_shape``), not only EAGLE's pool of K +
+    (L - 1) K^2 candidates, which ``TreeShape`` checks: e.g. (3, 2, 12) is a
+    block shape, not an EAGLE one. Equal to no ``TreeShape``."""
+
+    def __post_init__(self):
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            check_positive(name, getattr(self, name))
+        capacity = block_tree_capacity(self.num_steps, self.topk)
+        if self.num_draft_tokens - 1 > capacity:  # said in the shape's own keys, not the op's L / K / N
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens} needs {self.num_draft_tokens - 1} draft nodes "
+                             f"but a block of num_steps={self.num_steps} positions with topk={self.topk} tokens "
+                             f"each forms at most {capacity} (the sum of topk^d for d = 1..num_steps)")
+        validate_block_tree_shape(self.num_steps, self.topk, self.num_draft_tokens - 1)
 
 
 def build_block_tree(

@@ -350,3 +350,22 @@ def test_block_trees_adapter():
     lengths, censored = chain_counterfactual(trees.parents[:1], trees.top1[:1], paths, torch.tensor([len(chain) - 1]))
     assert lengths.tolist() == [len(chain) - 1]
     assert censored.tolist() == [True]  # the chain's next node was pruned or never drafted
+
+
+def test_block_tree_shape_is_bounded_by_the_block_not_by_eagles_pool():
+    """(3, 2, 12): 11 drafts fit the 2 + 4 + 8 = 14 rank sequences of a 3-position
+    block with top-2 each, not EAGLE's pool of 2 + 2 * 2^2 = 10 candidates; the
+    op builds such a tree. Above the block's 14, the shape is refused in the
+    spec_tree keys' own names."""
+    shape = K.BlockTreeShape(3, 2, 12)
+    assert shape.as_tuple() == (3, 2, 12) and shape != K.TreeShape(3, 2, 8)
+    with pytest.raises(ValueError, match="only draft 10 candidates"):
+        K.TreeShape(3, 2, 12)
+    logp = torch.log_softmax(torch.randn(1, 3, 2, generator=torch.Generator().manual_seed(0)), -1).sort(-1,
+                                                                                                    True).values
+    tree = K.build_block_tree(logp, torch.arange(6).view(1, 3, 2), shape.num_draft_tokens - 1, impl="torch")
+    assert tree.parents.shape == (1, 12) and int(tree.depths.max()) == 3
+    with pytest.raises(ValueError, match=r"num_draft_tokens=16 needs 15 draft nodes .* num_steps=3 .* topk=2 .* 14"):
+        K.BlockTreeShape(3, 2, 16)
+    with pytest.raises(ValueError, match="topk must be a positive int"):
+        K.BlockTreeShape(3, 0, 4)

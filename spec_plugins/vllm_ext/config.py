@@ -63,9 +63,11 @@ class TreeSettings:
         return {**asdict(self.shape), "mask_mode": self.mask_mode}
 
 
-def parse_tree_settings(raw) -> TreeSettings:
+def parse_tree_settings(raw, block_drafter: bool = False) -> TreeSettings:
     """``additional_config["spec_tree"]`` (a dict; missing keys take the
-    documented defaults) -> TreeSettings, with errors that name the key."""
+    documented defaults) -> TreeSettings, with errors that name the key.
+    block_drafter: the drafter is a block drafter (method 'dflash'), whose
+    trees are bounded by the block (``BlockTreeShape``), not by EAGLE's pool."""
     if raw is True or raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -95,9 +97,10 @@ def parse_tree_settings(raw) -> TreeSettings:
         values["num_draft_tokens"] = values.get("num_steps", DEFAULT_SHAPE.num_steps) + 1
     merged = {**asdict(DEFAULT_SHAPE), **values}
     try:
-        shape = TreeShape(**merged)
+        shape = (stk.BlockTreeShape if block_drafter else TreeShape)(**merged)
     except ValueError as e:
-        raise TreeConfigError(f"invalid spec_tree {merged}: {e}") from None
+        method = f" with method {BLOCK_DRAFTER_METHOD!r}" if block_drafter else ""
+        raise TreeConfigError(f"invalid spec_tree {merged}{method}: {e}") from None
     if shape.topk == 1 and shape.num_draft_tokens != shape.num_steps + 1:
         raise TreeConfigError(
             f"spec_tree topk=1 is a chain: num_draft_tokens must be num_steps + 1 = {shape.num_steps + 1}, "
@@ -176,7 +179,9 @@ def settings_from_vllm_config(vllm_config) -> TreeSettings | None:
     extra = getattr(vllm_config, "additional_config", None) or {}
     if SPEC_TREE_KEY not in extra:
         return None
-    return parse_tree_settings(extra[SPEC_TREE_KEY])
+    spec = getattr(vllm_config, "speculative_config", None)
+    return parse_tree_settings(extra[SPEC_TREE_KEY],
+                               block_drafter=getattr(spec, "method", None) == BLOCK_DRAFTER_METHOD)
 
 
 # ------------------------------------------------------------ engine arguments
@@ -210,7 +215,8 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
                               "not supported with spec_tree: the tree walk verifies every tree against the target "
                               "(exact acceptance), so synthetic or block acceptance would silently not apply; "
                               "leave it 'standard'")
-    settings = settings_with_spec_tokens(extra[SPEC_TREE_KEY], spec.get("num_speculative_tokens"))
+    settings = settings_with_spec_tokens(extra[SPEC_TREE_KEY], spec.get("num_speculative_tokens"),
+                                         block_drafter=spec.get("method") == BLOCK_DRAFTER_METHOD)
     engine_args.additional_config = {**extra, SPEC_TREE_KEY: settings.as_dict()}
     if spec.get("method") == BLOCK_DRAFTER_METHOD:
         check_block_drafter(settings, spec.get("model"), spec.get("draft_sample_method"))
@@ -332,7 +338,7 @@ def set_once(spec: dict, key: str, value, flag: str, other: str) -> None:
     spec[key] = value
 
 
-def settings_with_spec_tokens(raw, num_speculative_tokens) -> TreeSettings:
+def settings_with_spec_tokens(raw, num_speculative_tokens, block_drafter: bool = False) -> TreeSettings:
     """The tree settings, reconciled with a ``num_speculative_tokens`` N the user gave.
 
     vLLM's N is its chain's length, which for a tree is two numbers: the
@@ -341,9 +347,10 @@ def settings_with_spec_tokens(raw, num_speculative_tokens) -> TreeSettings:
     otherwise N is the depth: it sets num_steps when the tree settings do not
     give it, and must equal it when they do. With budget='auto' the shape
     changes per step: N must be left out (or be the menu's largest num_draft_tokens - 1).
+    block_drafter: as ``parse_tree_settings``'s.
     """
     raw = {} if raw is True or raw is None else raw
-    settings = parse_tree_settings(raw)
+    settings = parse_tree_settings(raw, block_drafter)
     given = num_speculative_tokens
     if given is None or given == settings.num_spec_tokens:
         return settings
@@ -358,7 +365,7 @@ def settings_with_spec_tokens(raw, num_speculative_tokens) -> TreeSettings:
             f"{settings.shape.num_steps} (or the draft tokens verified per step, num_draft_tokens - 1 = "
             f"{settings.num_spec_tokens}); set one of those or leave it out")
     try:
-        return parse_tree_settings({**raw, "num_steps": given})
+        return parse_tree_settings({**raw, "num_steps": given}, block_drafter)
     except TreeConfigError as e:
         raise TreeConfigError(f"num_speculative_tokens={given} sets the tree's depth (num_steps): {e}") from None
 

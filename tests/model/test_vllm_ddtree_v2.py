@@ -200,12 +200,34 @@ def test_refused_with_the_adaptive_budget(monkeypatch):
         _prepare(ddtree_kwargs(spec_tree={"budget": "auto"}), v2=True, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 8), (1, 3, 5)])
+@pytest.mark.parametrize("shape", [(2, 2, 8), (1, 3, 5), (3, 2, 16)])
 def test_refused_shape_the_block_cannot_form(monkeypatch, shape):
-    """T - 1 above sum K^d (d = 1..L): TreeShape's own pool bound (K + (L - 1) K^2,
-    never above the block's) refuses it first, naming num_steps and topk."""
-    with pytest.raises(TreeConfigError, match=f"num_draft_tokens={shape[2]}"):
+    """T - 1 above sum K^d (d = 1..L): refused (BlockTreeShape), naming num_draft_tokens, num_steps and topk."""
+    with pytest.raises(TreeConfigError, match=f"num_draft_tokens={shape[2]} needs .* num_steps={shape[0]} .* "
+                                              f"topk={shape[1]}"):
         _prepare(ddtree_kwargs(shape=shape), v2=True, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("v2", [True, False], ids=["v2", "v1"])
+def test_block_shape_beyond_eagles_pool_is_served(monkeypatch, v2):
+    """(3, 2, 12): 11 drafts out of the block's 2 + 4 + 8 rank sequences, more than
+    EAGLE's pool of 10 (so an EAGLE head's tree of that shape is refused), accepted
+    for a DFlash drafter on both runners, and read back the same way from the
+    config vLLM builds (``settings_from_vllm_config``, what the runners parse)."""
+    from types import SimpleNamespace
+
+    from spec_plugins.vllm_ext.config import SPEC_TREE_KEY, parse_tree_settings, settings_from_vllm_config
+
+    settings = _prepare(ddtree_kwargs(shape=(3, 2, 12)), v2=v2, monkeypatch=monkeypatch)
+    assert settings.shape.as_tuple() == (3, 2, 12) and settings.num_spec_tokens == 11
+    built = SimpleNamespace(additional_config={SPEC_TREE_KEY: settings.as_dict()},
+                            speculative_config=SimpleNamespace(method="dflash"))
+    assert settings_from_vllm_config(built).shape == settings.shape
+    with pytest.raises(TreeConfigError, match="only draft 10 candidates"):
+        parse_tree_settings({"num_steps": 3, "topk": 2, "num_draft_tokens": 12})
+    built.speculative_config.method = "eagle"
+    with pytest.raises(TreeConfigError, match="only draft 10 candidates"):
+        settings_from_vllm_config(built)
 
 
 def test_refused_block_longer_than_the_drafters(monkeypatch):
