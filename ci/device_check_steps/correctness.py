@@ -6,7 +6,9 @@ draft pool, its selection, every mask mode's build (FULL_MASK with and
 without prefix fill; open selections too) and the compact modes' build from
 parents, greedy verify with real
 acceptance, sampled verify (float32 and float64 distributions) and the KV
-move over several paged-cache layouts.
+move over several paged-cache layouts. Then DDTree's block trees
+(``build_block_tree``, issue #52): per-position top-K log-probs with exact
+ties and -inf / NaN entries, node budgets up to the block's capacity.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ FULL_BATCHES = (1, 7, 64)
 REDUCED_CASES = [(2, 3, 6, "ties"), (1, 4, 5, "onehot"), (3, 1, 3, "random"), (4, 3, 9, "mixed")]
 REDUCED_BATCHES = (2,)
 OPS = ("select", "build", "verify", "sampling", "move")
+# DDTree (batch, block length L, top-K, drafts N, flavor): "ties" draws log-probs from a few values, so
+# paths tie often (the tie rule decides); "holes" has -inf and NaN entries (the op's clamps)
+BLOCK_CASES = [(1, 7, 4, 7, "random"), (7, 7, 4, 15, "ties"), (64, 7, 8, 31, "random"), (64, 15, 8, 63, "ties"),
+               (3, 3, 2, 14, "holes"), (16, 16, 10, 255, "ties")]
+REDUCED_BLOCK_CASES = [(2, 3, 2, 14, "ties"), (2, 4, 3, 9, "holes")]
 
 
 def implementation_modules(impls) -> dict:
@@ -201,6 +208,36 @@ def check_move(tally: Tally, c: Case, mods: dict, impls, verdict, reduced: bool)
             tally.add(f"move/{impl}", same(got, want), layout=layout, dtype=str(dtype), **c.label)
 
 
+def block_tree_inputs(batch: int, length: int, topk: int, flavor: str, seed: int):
+    """(log-probs [batch, L, K] float32 sorted descending, tokens [batch, L, K] int64) on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    if flavor == "ties":
+        values = -torch.randint(0, 4, (batch, length, topk), generator=gen).float() / 2
+    else:
+        values = torch.randn(batch, length, topk * 4, generator=gen).log_softmax(-1)[..., :topk]
+    if flavor == "holes":
+        values[torch.rand(values.shape, generator=gen) < 0.2] = float("-inf")
+        values[torch.rand(values.shape, generator=gen) < 0.05] = float("nan")
+    values = values.sort(-1, descending=True).values  # NaN sorts first: the op treats it as -inf
+    tokens = torch.randint(0, 50_000, (batch, length, topk), generator=gen)
+    return values, tokens
+
+
+def check_block_trees(tally: Tally, impls, reduced: bool, device: torch.device) -> None:
+    """``build_block_tree``: Triton against the reference, every output field byte for byte."""
+    if "triton" not in impls:  # the op has a torch and a Triton implementation only
+        return
+    for batch, length, topk, nodes, flavor in REDUCED_BLOCK_CASES if reduced else BLOCK_CASES:
+        label = dict(batch=batch, length=length, topk=topk, nodes=nodes, flavor=flavor)
+        values, tokens = (x.to(device) for x in block_tree_inputs(batch, length, topk, flavor,
+                                                                  zlib.crc32(repr(label).encode())))
+        want = K.build_block_tree(values, tokens, nodes, impl="torch")
+        got = K.build_block_tree(values, tokens, nodes, impl="triton")
+        bad = [f for f in want._fields if not same(getattr(got, f), getattr(want, f))]
+        detail = {f: first_diff(getattr(got, f), getattr(want, f)) for f in bad}
+        tally.add("block_tree/triton", not bad, fields=bad, diff=detail, **label)
+
+
 def run_correctness(run: CheckRun, impls, key: str, min_left: float = 0.0) -> Tally:
     """Every case x batch while ``min_left`` seconds of the budget remain;
     the result under correctness.<key>."""
@@ -218,6 +255,11 @@ def run_correctness(run: CheckRun, impls, key: str, min_left: float = 0.0) -> Ta
                     tally.add(f"error/{impl}", False, case=case, batch=batch, error=f"{type(exc).__name__}: {exc}"[:400])
                 run.report.log("  case", case, "batch", batch, "raised:", traceback.format_exc(limit=3))
         run.report.log(f"  {key}: case {case} done ({tally.passed()} passed, {tally.failed()} failed)")
+    try:
+        check_block_trees(tally, impls, run.reduced, run.device)
+    except Exception as exc:  # the op raising is a failure of the impl under test
+        tally.add("error/block_tree", False, error=f"{type(exc).__name__}: {exc}"[:400])
+        run.report.log("  block trees raised:", traceback.format_exc(limit=3))
     result = tally.as_dict()
     result.update(impls=impls, seconds=round(time.time() - t0, 1), cases_skipped_for_time=skipped,
                   accepted_draft_tokens=accepted, max_acceptable_draft_tokens=possible)  # fmt: skip

@@ -22,6 +22,9 @@ with an eager call on the same inputs:
   drafted parents; the mask built and the plan made inside the graph, the
   prefix bounded by the block table's reach (a shape), padded requests
   (sequence length 0) harmless;
+* ``block_tree``: DDTree's drafting after a block drafter's forward (issue
+  #52): each position's top-K of the block logits (``block_topk``) and the
+  best-first tree over them (``block_trees``);
 * ``draft_level_attention``: one draft level's attention
   (``BranchAttentionPlan``: committed head KV read in place from the paged
   cache, the level's branch KV appended to the scratch, ancestor mask), its
@@ -38,7 +41,7 @@ from __future__ import annotations
 import torch
 
 import spec_tree_kernels as stk
-from spec_plugins.tree_drafting import TreeShape, grow_level, select_trees
+from spec_plugins.tree_drafting import TreeShape, block_topk, block_trees, grow_level, select_trees
 
 from .plumbing import CheckRun
 
@@ -86,6 +89,22 @@ def v2_step_inputs(seed: int, device):
     k, v = torch.randn(2, 64, 16, 2, 8, generator=g)  # [num_blocks, block_size, H, D] each
     slots = torch.randperm(64 * 16, generator=g)[: R * T].view(R, T)
     return [t.to(device) for t in (parents, context, q_starts, tokens, predict, k, v, slots)]
+
+
+def block_logits_inputs(dtype):
+    def make(seed: int, device):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        return [(torch.randn(R, S, V, generator=g) * 3).to(dtype).to(device)]  # [R, L, V]: L = S mask rows
+    return make
+
+
+def block_tree_step(impl: str):
+    def step(logits):
+        values, tokens = block_topk(logits, K)
+        trees = block_trees(values, tokens, 2 * T - 1, impl=impl)
+        return trees.tokens, trees.parents, trees.top1
+
+    return step
 
 
 def paged_cache(g: torch.Generator, dtype):
@@ -180,6 +199,7 @@ def cases(run: CheckRun):
     for impl in ["torch"] if run.reduced else ["triton"]:
         yield f"verify_attention_{impl}", verify_attention_inputs(dtype), verify_attention(impl)
         yield f"draft_level_attention_{impl}", draft_level_inputs_paged(dtype), draft_level_attention(impl)
+        yield f"block_tree_{impl}", block_logits_inputs(dtype), block_tree_step(impl)
 
 
 def leaves_equal(a, b) -> bool:
