@@ -11,6 +11,9 @@ bundled evaluation prompts. Those, and ``bench``, are in the repository
 checkout (``pip install -e .``), not in the runtime wheel: from the wheel,
 ``doctor`` runs as is and ``check`` takes ``--model``, ``--heads FOLDER`` and
 ``--prompts FILE``. Every subcommand exits non-zero on any failure.
+``check`` and ``bench`` build every engine alike (``vllm_runs.run_profile``):
+fp32 and eager on a CPU, vLLM's defaults on CUDA (the model's dtype, CUDA
+graphs on); ``--dtype`` and ``--[no-]enforce-eager`` replace them.
 """
 
 from __future__ import annotations
@@ -145,9 +148,10 @@ def log_line(line: str) -> None:
 
 
 def run_all(model, configs, prompts, max_tokens, levels: list[int], repeats: int = 1, temperatures=(0.0,),
-            load: str = "steady"):
+            load: str = "steady", engine_extra: dict | None = None):
     """{(config, concurrency, temperature): RunResult}; one engine per configuration
-    and repeat, every level and temperature on it. With repeats, the configurations run in alternating order
+    and repeat (``engine_extra``: engine settings for every one), every level
+    and temperature on it. With repeats, the configurations run in alternating order
     (forward, backward, ...) so a drift of the shared machine hits all alike, and
     each keeps its fastest run (the one least disturbed); every run's tokens/s
     is kept in ``RunResult.all_tokens_per_s``."""
@@ -160,7 +164,7 @@ def run_all(model, configs, prompts, max_tokens, levels: list[int], repeats: int
             print(f"spec-plugins: {cfg.name}" + (f" (repeat {r + 1}/{repeats})" if repeats > 1 else ""),
                   file=sys.stderr, flush=True)
             runs = vr.run_config(cfg, model, texts, max_tokens, list(levels), progress=progress_printer(cfg.name),
-                                 temperatures=list(temperatures), load=load)
+                                 temperatures=list(temperatures), load=load, **(engine_extra or {}))
             for run in runs:
                 key = (cfg, run.concurrency, run.temperature)
                 best = results.get(key)
@@ -190,6 +194,26 @@ def configs_for(heads, shapes, engine_chains: bool = False, budget_menus=()):
             configs.append(SpecConfig(head=folder, kind=kind, budget_menu=menu,
                                       shape=(largest.num_steps, largest.topk, largest.num_draft_tokens)))
     return configs
+
+
+def engine_profile(args, configs, command: str):
+    """The run's ``RunProfile`` (``vllm_runs.run_profile``: the platform's, then
+    ``--dtype`` / ``--[no-]enforce-eager``), logged; exits naming the option
+    when a tree configuration cannot run with the dtype asked for."""
+    from spec_plugins.vllm_runs import run_profile, tree_dtype_refusal
+
+    profile = run_profile(dtype=args.dtype, enforce_eager=args.enforce_eager)
+    if any(cfg.head and not cfg.engine_chain for cfg in configs):
+        refusal = tree_dtype_refusal(profile)
+        if refusal:
+            raise SystemExit(f"spec-plugins {command}: {refusal}")
+    print(f"spec-plugins {command}: every engine: {profile.describe()}", file=sys.stderr, flush=True)
+    return profile
+
+
+def profile_meta(profile) -> dict:
+    """What a report records of the run's engine settings."""
+    return {"platform": profile.platform, "dtype": profile.dtype, "enforce_eager": profile.enforce_eager}
 
 
 # -------------------------------------------------------------------- doctor
@@ -340,13 +364,14 @@ def cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts, model)
     configs = configs_for(heads, shapes, engine_chains=not args.no_engine_chain,
                           budget_menus=args.budget)
+    profile = engine_profile(args, configs, "bench")
     if rounds:
         results = vb.run_interleaved(configs, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
                                      rounds, args.temperatures, log=log_line, progress=progress_printer,
-                                     load=args.load, warmup_rounds=args.warmup_rounds)
+                                     load=args.load, warmup_rounds=args.warmup_rounds, **profile.engine_overrides())
     else:
         results = run_all(model, configs, prompts, args.max_tokens, args.concurrency, args.repeats, args.temperatures,
-                          args.load)
+                          args.load, engine_extra=profile.engine_overrides())
     rows = []
     for temp in args.temperatures:
         for level in args.concurrency:
@@ -355,7 +380,8 @@ def cmd_bench(args) -> int:
                 rows.append(vb.summarize(results[(configs[0], level, temp)], results[(cfg, level, temp)], cfg,
                                          results[(peer, level, temp)] if peer else None))
     if args.census:
-        census = vb.census_configs(configs, model, [t for _, t in prompts][:2], args.max_tokens, log_line)
+        census = vb.census_configs(configs, model, [t for _, t in prompts][:2], args.max_tokens, log_line,
+                                   **profile.engine_overrides())
         for row in rows:
             row["census"] = census.get(row["config"])
     warnings += bench_noise.noise_warnings(rows)
@@ -364,7 +390,8 @@ def cmd_bench(args) -> int:
             "repeats": args.repeats, "interleave": rounds, "warmup_rounds": args.warmup_rounds if rounds else 0,
             "temperatures": args.temperatures,
             "sampled_top_p": vb.SAMPLED_TOP_P, "concurrency": args.concurrency, "load": args.load,
-            "engine": _engine_version(), "v2_interpreter": args.v2_interpreter, "warnings": warnings}
+            "engine": _engine_version(), **profile_meta(profile), "v2_interpreter": args.v2_interpreter,
+            "warnings": warnings}
     vb.write_report(rows, meta, Path(args.out), summary)
     print(vb.table(rows))
     print(f"spec-plugins bench: wrote {args.out}/results.json, results.md, bench.png")
@@ -394,27 +421,30 @@ def cmd_check(args) -> int:
     model = args.model or default_model()
     prompts = load_prompts(args.prompts, args.num_prompts, model)
     configs = configs_for(resolve_heads(args.heads), args.shapes)
+    profile = engine_profile(args, configs, "check")
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else {}
     cases = []  # (classname, name, failure message or None, seconds)
     results = {}
     try:
-        failed = _check_configs(args, model, prompts, configs, baseline, cases, results)
+        failed = _check_configs(args, model, prompts, configs, baseline, cases, results, profile.engine_overrides())
     except CheckFailed:
         failed = True
     if args.junit:
-        write_junit(Path(args.junit), cases)
+        write_junit(Path(args.junit), cases, properties=profile_meta(profile))
     if args.write_baseline and not failed:
         Path(args.write_baseline).write_text(json.dumps(
             {name: round(r.tau, 4) for name, r in results.items() if r.tau is not None}, indent=2) + "\n")
-    print(f"spec-plugins check: {'FAILED' if failed else 'passed'} ({len(cases)} cases"
-          + (f", JUnit {args.junit}" if args.junit else "") + ")")
+    print(f"spec-plugins check: {'FAILED' if failed else 'passed'} ({len(cases)} cases; {profile.describe()}"
+          + (f"; JUnit {args.junit}" if args.junit else "") + ")")
     return 1 if failed else 0
 
 
-def _check_configs(args, model, prompts, configs, baseline: dict, cases: list, results: dict) -> bool:
-    """Run each configuration (no speculation first), adding its cases to ``cases``
-    and its RunResult to ``results``; returns whether an acceptance check
-    failed, raises CheckFailed at the first token difference."""
+def _check_configs(args, model, prompts, configs, baseline: dict, cases: list, results: dict,
+                   engine_extra: dict) -> bool:
+    """Run each configuration (no speculation first; ``engine_extra``: every
+    engine's settings), adding its cases to ``cases`` and its RunResult to
+    ``results``; returns whether an acceptance check failed, raises
+    CheckFailed at the first token difference."""
     from spec_plugins import vllm_runs as vr
 
     failed = False
@@ -423,7 +453,7 @@ def _check_configs(args, model, prompts, configs, baseline: dict, cases: list, r
         print(f"spec-plugins check: {cfg.name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         res = vr.run_config(cfg, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
-                            progress=progress_printer(cfg.name))
+                            progress=progress_printer(cfg.name), **engine_extra)
         results[cfg.name] = res
         if cfg.head is None:
             base = res
@@ -473,11 +503,16 @@ def _decode(model: str, ids: list[int]) -> str:
     return AutoTokenizer.from_pretrained(model).decode(ids)
 
 
-def write_junit(path: Path, cases: list) -> None:
+def write_junit(path: Path, cases: list, properties: dict | None = None) -> None:
+    """JUnit XML: one testcase per case; ``properties`` (the engine settings) as the suite's properties."""
     from xml.etree import ElementTree as ET
 
     suite = ET.Element("testsuite", name="spec-plugins check", tests=str(len(cases)),
                        failures=str(sum(1 for c in cases if c[2])), time=f"{sum(c[3] for c in cases):.2f}")
+    if properties:
+        props = ET.SubElement(suite, "properties")
+        for name, value in properties.items():
+            ET.SubElement(props, "property", name=name, value=str(value))
     for classname, name, failure, seconds in cases:
         case = ET.SubElement(suite, "testcase", classname=classname, name=name, time=f"{seconds:.2f}")
         if failure:
@@ -540,6 +575,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "prompts, repository checkout only)")
         p.add_argument("--num-prompts", type=int, default=num_prompts)
         p.add_argument("--max-tokens", type=int, default=max_tokens)
+        p.add_argument("--dtype", default=None,
+                       help="every engine's dtype, as vLLM's --dtype (default: the platform's: float32 on a CPU, "
+                            "vLLM's auto on CUDA, the model's dtype; tree mode on CUDA refuses one its attention "
+                            "backend does not take)")
+        p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                       help="every engine eager (no graph capture) or not (default: eager on a CPU, vLLM's default "
+                            "on CUDA: CUDA graphs on)")
 
     bench = sub.add_parser("bench", help="side-by-side benchmark: no-spec, vLLM's own chain, our chains and trees "
                                          "(table + JSON + PNG)")

@@ -26,7 +26,9 @@ Per configuration and concurrency:
   (num_steps * t_T)); predicted speedup tau / (t_V/t_T + num_steps * c) next
   to the measured decode speedup, as their ratio.
 
-Engine settings: vLLM-CPU (or CUDA) V1, fp32, enforce_eager, one process.
+Engine settings: vLLM-CPU (or CUDA), one process; dtype and eager mode from
+``vllm_runs.run_profile`` (fp32 and eager on a CPU, vLLM's defaults on CUDA:
+the model's dtype, CUDA graphs on), the same for every configuration.
 
 ``run_interleaved`` (``spec-plugins bench --interleave ROUNDS``) instead keeps
 every configuration's engine alive at once, each in its own engine-core
@@ -53,6 +55,7 @@ from spec_plugins import bench_noise
 # the engine part (part of the runtime distribution, for ``spec-plugins check``), re-exported here
 from spec_plugins.vllm_runs import (  # noqa: F401
     METHOD_OF_KIND,
+    RUN_ENGINE_SIZE,
     SAMPLED_TOP_P,
     RunResult,
     SpecConfig,
@@ -224,14 +227,16 @@ def _executor_in_engine_core():
     return UniProcExecutor
 
 
-def census_configs(configs: list[SpecConfig], model: str, prompts: list[str], max_tokens: int, log) -> dict:
+def census_configs(configs: list[SpecConfig], model: str, prompts: list[str], max_tokens: int, log,
+                   **engine_extra) -> dict:
     """{config name: per engine step with drafts (no-spec: every step after the
     first) the mean host syncs of our code and of all code, and the non-view
     ops on device tensors (about one kernel launch each on a GPU)}, from one
     greedy run of ``prompts`` per configuration under
     ``spec_plugins.host_reads``'s census. In-process engines whose buffers'
     host and device halves are kept apart (the census tells them apart); the
-    census slows a step several times over, so these runs are not timed."""
+    census slows a step several times over, so these runs are not timed.
+    ``engine_extra``: engine settings (the run's ``run_profile``)."""
     import statistics
 
     from vllm import LLM
@@ -243,8 +248,8 @@ def census_configs(configs: list[SpecConfig], model: str, prompts: list[str], ma
         for cfg in configs:
             with separate_cpu_runner_buffers():
                 llm = LLM(**engine_kwargs(model, max_model_len=RUN_ENGINE_SIZE["max_model_len"],
-                                          kv_cache_memory_bytes=RUN_ENGINE_SIZE["kv_cache_memory_bytes"]),
-                          **spec_kwargs(cfg))
+                                          kv_cache_memory_bytes=RUN_ENGINE_SIZE["kv_cache_memory_bytes"],
+                                          **engine_extra), **spec_kwargs(cfg))
             runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
             with census_runner_steps(runner) as steps:
                 llm.generate(prompts, sampling_params(0.0, max_tokens, len(prompts)), use_tqdm=False)

