@@ -192,17 +192,12 @@ def tree_dtype_refusal(profile: RunProfile, option: str = "--dtype") -> str | No
         return None
     from vllm.config.model import str_dtype_to_torch_dtype
 
-    from spec_plugins.vllm_ext.attention_gpu import TreeFlashAttentionBackend
+    from spec_plugins.vllm_ext.config import cuda_tree_dtype_refusal
 
     dtype = str_dtype_to_torch_dtype(profile.dtype)  # vLLM's own reading of --dtype
     if dtype is None:
         return f"{option} {profile.dtype}: not a dtype vLLM knows"
-    if TreeFlashAttentionBackend.supports_dtype(dtype):
-        return None
-    takes = ", ".join(str(d).removeprefix("torch.") for d in TreeFlashAttentionBackend.supported_dtypes)
-    return (f"{option} {profile.dtype}: tree mode on {profile.platform} runs on TreeFlashAttentionBackend "
-            f"(vLLM's FlashAttention plus tree rows), which takes {takes}; leave {option} out (vLLM's auto: the "
-            f"model's dtype) or pass one of those")
+    return cuda_tree_dtype_refusal(dtype, f"{option} {profile.dtype}")
 
 
 # what ``spec-plugins check`` and the benchmark give each engine unless told otherwise

@@ -421,6 +421,12 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     if getattr(spec, "disable_padded_drafter_batch", False):
         raise TreeConfigError("speculative_config disable_padded_drafter_batch=True is not supported with spec_tree")
     model = vllm_config.model_config
+    from . import current_platform_kind
+
+    if current_platform_kind() == "cuda":
+        refusal = cuda_tree_dtype_refusal(model.dtype, f"dtype={str(model.dtype).removeprefix('torch.')} (--dtype)")
+        if refusal is not None:
+            raise TreeConfigError(refusal)
     check_kv_cache_dtype(vllm_config.cache_config.cache_dtype, model.dtype)
     check_attention_options(model)
     refusal = model_attention_refusal(model)
@@ -497,6 +503,22 @@ def model_attention_refusal(model) -> str | None:
         return (f"model {model.model} uses multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2), which "
                 "spec_tree does not serve yet (no tree rows for MLA layers, no KV move for the latent cache)")
     return None
+
+
+def cuda_tree_dtype_refusal(dtype, option: str) -> str | None:
+    """Why tree mode on CUDA cannot run a model in ``dtype`` (a torch dtype),
+    naming ``option`` (how the user gave it); None when it can. The tree rows
+    run on ``TreeFlashAttentionBackend``, which takes vLLM's FlashAttention's
+    dtypes (float32 is not one): unrefused, vLLM would fail only when it builds
+    the attention layers, with "dtype not supported" and no option named."""
+    from .attention_gpu import TreeFlashAttentionBackend
+
+    if TreeFlashAttentionBackend.supports_dtype(dtype):
+        return None
+    takes = ", ".join(str(d).removeprefix("torch.") for d in TreeFlashAttentionBackend.supported_dtypes)
+    return (f"{option}: spec_tree on CUDA runs its tree rows on TreeFlashAttentionBackend (vLLM's FlashAttention "
+            f"plus tree rows), which takes {takes}; leave the dtype to vLLM (auto: the model's, fp32 checkpoints "
+            f"downcast) or pass one of those")
 
 
 def check_kv_cache_dtype(cache_dtype, model_dtype) -> None:

@@ -212,7 +212,7 @@ def test_interleaved_bench_gives_every_engine_the_profile(cuda, fake_runs, monke
 
 @pytest.mark.parametrize("command", ["check", "bench"])
 def test_fp32_on_cuda_in_tree_mode_is_refused_naming_the_option(cuda, fake_runs, command):
-    with pytest.raises(SystemExit, match=r"--dtype float32: tree mode on cuda .*TreeFlashAttentionBackend"):
+    with pytest.raises(SystemExit, match=r"--dtype float32: spec_tree on CUDA .*TreeFlashAttentionBackend"):
         cli.main([command, "--dtype", "float32"])
     assert fake_runs == {}  # before any engine
     unknown = vllm_runs.tree_dtype_refusal(vllm_runs.run_profile(dtype="fp33", platform="cuda"))
@@ -224,3 +224,22 @@ def test_fp32_is_not_refused_on_cpu_or_without_tree_mode(cuda):
     args = cli.build_parser().parse_args(["check", "--dtype", "float32"])
     profile = cli.engine_profile(args, [vllm_runs.SpecConfig(), VLLM_CHAIN], "check")  # no tree configuration
     assert profile.dtype == "float32"
+
+
+def test_serving_fp32_trees_on_cuda_is_refused_at_startup_naming_the_option(cuda):
+    """``vllm serve --dtype float32`` with spec_tree on CUDA: the plugin's check of
+    the config vLLM built (validate_vllm_config) refuses it, naming the dtype and
+    --dtype, before vLLM's attention selection would fail without naming either;
+    bf16 and fp16 pass that check (the backend's own supports_dtype decides)."""
+    from types import SimpleNamespace
+
+    from spec_plugins.vllm_ext.config import (TreeConfigError, TreeSettings, cuda_tree_dtype_refusal,
+                                              validate_vllm_config)
+    from spec_tree_kernels import TreeShape
+
+    settings = TreeSettings(shape=TreeShape(5, 4, 8), mask_mode="QLEN_ONLY")
+    built = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=7),
+                            model_config=SimpleNamespace(dtype=torch.float32))
+    with pytest.raises(TreeConfigError, match=r"dtype=float32 \(--dtype\): spec_tree on CUDA .*bfloat16"):
+        validate_vllm_config(built, settings)
+    assert cuda_tree_dtype_refusal(torch.bfloat16, "x") is None and cuda_tree_dtype_refusal(torch.float16, "x") is None
