@@ -690,11 +690,13 @@ def cpu_layout(cache_k: torch.Tensor, cache_v: torch.Tensor) -> tuple[torch.Tens
 @pytest.mark.parametrize("layout", ["contiguous", "cpu"])
 @pytest.mark.parametrize("mode", [AB, PP, QL])
 @pytest.mark.parametrize("kind,nodes,ctx,hq,hkv,bs", [("random", 7, [0, 19, 45], 6, 2, 16), ("chain", 8, [130], 9, 3, 64), ("random", 8, [300, 7], 9, 3, 128),
-                                                     ("star", 5, [3, 64, 200], 4, 4, 32), ("random", 1, [17], 2, 1, 16)])
+                                                     ("star", 5, [3, 64, 200], 4, 4, 32), ("random", 1, [17], 2, 1, 16),
+                                                     ("random", 8, [2030, 1500, 900, 2000], 8, 4, 128)])
 def test_cpu_kernel_plan_equals_dense(layout, mode, kind, nodes, ctx, hq, hkv, bs, host_kernel):
     """The host kernel over several layers of one step equals the independent
     dense attention, in the generic-stride loops (contiguous cache) and the
-    vectorized ones (vLLM-CPU's transposed K)."""
+    vectorized ones (vLLM-CPU's transposed K); the last case's K and V (17 MB)
+    take the vectorized loops' prefetching instantiation (PREFETCH_BYTES)."""
     first = finite_problem(kind, nodes, ctx, seed=5, hq=hq, hkv=hkv, dim=64 if bs >= 64 else 16, block_size=bs,
                            mode=mode)
     layers = [first, another_layer(first, 6)]

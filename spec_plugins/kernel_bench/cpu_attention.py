@@ -14,9 +14,9 @@ nodes), each call writing into a preallocated output as the engines do, for
   chain (the kernel vLLM runs for its own EAGLE chain's verify rows; where
   vLLM is importable),
 
-and the ratios to ``cpu``. The calls are interleaved round-robin (one call of
-each, in a rotating order, per round), so a noisy neighbour slows all three
-alike. The host kernel's error against the torch path is printed next to its
+and the ratios to ``cpu``. The calls are interleaved (a few calls of each per
+round, the rounds' orders cycling through every permutation), so a noisy
+neighbour slows all three alike and each follows each other equally often. The host kernel's error against the torch path is printed next to its
 time. Machines are noisy: this is a ratio in one run, not a timed test.
 
 Each point is measured ``--repeats`` times (each an interleaved median); the
@@ -36,6 +36,7 @@ near the ceiling can only gain by doing less arithmetic.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -46,15 +47,22 @@ HQ, HKV, DIM, BLOCK, PARENTS = 9, 3, 64, 128, [-1, 0, 0, 1, 1, 2, 3, 3]
 
 def interleaved_median_us(calls: dict, rounds: int, calls_per_sample: int = 4) -> dict:
     """name -> median us of one call: each round times ``calls_per_sample``
-    calls of every variant, the variants in a rotating order."""
+    calls of every variant after one untimed call of it, the rounds' orders
+    cycling through the permutations of the variants. The untimed call is
+    there because a call after the torch path meets caches that path's
+    gathers flushed: with every call timed and the orders rotated by one, the
+    host kernel followed it in 2 of 3 rounds and vLLM's kernel in 1, which
+    cost the host kernel 10% at batch 8 x 400 positions (2026-12-06)."""
     names = list(calls)
     for fn in calls.values():  # warm: first-call allocations, caches, the thread pool
         for _ in range(10):
             fn()
+    orders = list(itertools.permutations(names))
     samples = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in orders[r % len(orders)]:
             fn = calls[name]
+            fn()  # not timed: the caches as this variant leaves them, whichever ran before
             t0 = time.perf_counter()
             for _ in range(calls_per_sample):
                 fn()
