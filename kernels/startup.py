@@ -38,7 +38,7 @@ from .triton_launch import Launch, Variant, capturing
 
 logger = logging.getLogger("spec_tree_kernels")
 # the api ops with Triton kernels, attention aside
-TRITON_OPS = ("select", "from_parents", "verify", "verify_sampling", "move_kv")
+TRITON_OPS = ("select", "from_parents", "verify", "verify_sampling", "move_kv", "block_tree")
 
 
 def prepare(device, build_timeout: float | None = None) -> dict[str, str]:
@@ -97,6 +97,10 @@ class ServingConfig:
     context_dtype, accept_dtype, probs_dtype  what the engine passes as
                      context lengths, accepted paths / lengths, and target
                      probabilities (argument dtypes are part of a variant)
+    block_drafter    the trees come from a block drafter (DDTree:
+                     ``build_block_tree`` over each shape's L = num_steps
+                     positions of top-K = topk tokens, num_draft_tokens - 1
+                     nodes), not from EAGLE pools (no selection)
     """
 
     shapes: tuple
@@ -109,6 +113,7 @@ class ServingConfig:
     context_dtype: torch.dtype = torch.int64
     accept_dtype: torch.dtype = torch.int64
     probs_dtype: torch.dtype = torch.float32
+    block_drafter: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "shapes", tuple(self.shapes))
@@ -287,7 +292,8 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
     """One ``Launch`` per Triton variant serving ``config`` on ``device`` can
     make, each captured from the public entry point serving calls
     (``api.select_tree_nodes`` / ``tree_from_parents`` / ``verify_tree_greedy`` /
-    ``verify_tree_sampling`` / ``move_accepted_kv``, ``TreeAttentionPlan``) on small dummy inputs of
+    ``verify_tree_sampling`` / ``move_accepted_kv`` / ``build_block_tree``,
+    ``TreeAttentionPlan``) on small dummy inputs of
     the dtypes, strides and alignment serving passes.
 
     impls: op (``TRITON_OPS``) -> the impl serving passes (default "auto");
@@ -316,13 +322,20 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
     def zeros(*shape, dtype=torch.int64):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    if "select" in triton_ops:
+    if "select" in triton_ops and not config.block_drafter:
         for s in config.shapes:
             if s.topk > 1:  # a chain's selection is its pool's first T - 1 entries: nothing ranks it
                 add(lambda s=s: api.select_tree_nodes(
                     zeros(1, pool_size(s.topk, s.num_steps), dtype=torch.float32),
                     zeros(1, parent_list_width(s.topk, s.num_steps)), s.topk, s.num_steps, s.num_draft_tokens,
                     validate=False, impl=impls["select"]))
+    if "block_tree" in triton_ops and config.block_drafter:
+        from .block_tree import build_block_tree
+
+        for s in config.shapes:  # one variant per (L, K, N): the batch is only the grid
+            add(lambda s=s: build_block_tree(zeros(1, s.num_steps, s.topk, dtype=torch.float32),
+                                             zeros(1, s.num_steps, s.topk), s.num_draft_tokens - 1,
+                                             impl=impls["block_tree"]))
     width = config.verify_depth + 1
     for nodes in config.tree_sizes:
         no_links = torch.full((1, nodes), -1, dtype=torch.int64, device=device)

@@ -166,15 +166,61 @@ def chain_trees(pool_tokens: torch.Tensor, num_nodes: int) -> DraftTrees:
                       top1=torch.ones(R, num_nodes, dtype=torch.bool, device=pool_tokens.device))
 
 
+# Elements of the float32 copy that ``block_topk``'s log-sum-exp makes at a time
+# (64 MiB): a whole [R, L, V] copy is ~0.6 GB at R x L = 1024 rows of a 152k
+# vocabulary, memory V1's profile run never sees (vLLM's DFlash dummy_run stops
+# after the drafter's forward). A chunk is at least one row, whatever V.
+LOGSUMEXP_CHUNK_ELEMENTS = 1 << 24
+
+
 def block_topk(block_logits: torch.Tensor, topk: int,
                draft_to_target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A block drafter's forward [R, L, V_draft] logits (position i: the token
     i + 1 places after the last committed one) -> (log-probs [R, L, K]
     float32 sorted descending, target token ids [R, L, K] int64): the inputs
     of ``block_trees``. draft_to_target [V_draft] int64 maps a reduced draft
-    vocabulary (None: the same vocabulary)."""
-    values, ids = block_logits.float().log_softmax(-1).topk(topk, dim=-1)
+    vocabulary (None: the same vocabulary).
+
+    ``log_softmax(logits.float()).topk(K)`` without a float32 [R, L, V]: the
+    top-K is taken on the logits in their own dtype (log-softmax is monotone,
+    and rank 0 is then the logits' argmax, vLLM's DFlash chain token, even
+    where two float32 log-probs would round to a tie; exact ties in the
+    logits may order either way), and each row's
+    log-sum-exp in float32 over a bounded number of rows at a time
+    (``LOGSUMEXP_CHUNK_ELEMENTS``). The chunks follow from the shape alone:
+    no host read, capturable, traceable with fullgraph=True."""
+    top, ids = block_logits.topk(topk, dim=-1)
+    values = top.float() - row_logsumexp(block_logits).unsqueeze(-1)
     return values, (ids if draft_to_target is None else draft_to_target[ids])
+
+
+def row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] float32 log-sum-exp of each row of ``logits.float()``,
+    float32 temporaries of at most max(1, LOGSUMEXP_CHUNK_ELEMENTS // V) rows
+    at a time. A row holding +inf, or only -inf, gives NaN, as its log-softmax
+    would (so ``block_topk`` equals the formula it replaced there too)."""
+    vocab = logits.shape[-1]
+    rows = logits.reshape(-1, vocab)
+    parts = []
+    for chunk in rows.split(max(1, LOGSUMEXP_CHUNK_ELEMENTS // vocab)):
+        peak = chunk.amax(-1, keepdim=True).float()  # exact in the logits' dtype: one of the row's values
+        # promoted to float32 by the subtraction (a new tensor: the logits stay untouched), then exp in place
+        total = torch.sub(chunk, peak).exp_().sum(-1)
+        parts.append(total.log_().add_(peak.squeeze(-1)))
+    return torch.cat(parts).view(logits.shape[:-1]).float()  # float64 logits: summed in float64
+
+
+def warm_block_drafting(length: int, vocab_size: int, dtype: torch.dtype, device, topk: int, num_nodes: int,
+                        impl: str = "auto") -> None:
+    """DDTree's draft tail (``block_topk``, then ``block_trees``) once on one
+    request's [1, L, V] zero logits, at engine startup: on a GPU the tree's
+    Triton kernel compiles here and the top-K and log-sum-exp kernels load,
+    not in the first request's step. One request is enough: the tree
+    kernel's variant is fixed by (L, K, N), the batch is only its grid, and
+    the torch ops compile nothing per shape."""
+    logits = torch.zeros(1, length, vocab_size, dtype=dtype, device=device)
+    values, tokens = block_topk(logits, topk)
+    block_trees(values, tokens, num_nodes, impl=impl)
 
 
 def block_trees(logprobs_topk: torch.Tensor, tokens_topk: torch.Tensor, num_nodes: int,

@@ -8,7 +8,10 @@ on exactly those (a graph break is an error), so it proves on the CPU what
 * the draft step after the head's forward (``tree_drafting.grow_level``) and
   the selection of the tree (``select_trees``, the torch path);
 * the verify tail: the greedy walk (the reference kernel, whose early exit is
-  taken only where reads are free) and the emitted-token grid.
+  taken only where reads are free) and the emitted-token grid;
+* DDTree's draft tail over a block drafter's logits: the per-position top-K
+  with its log-sum-exp over chunks of rows (``block_topk``) and the tree
+  (``block_trees``, the torch reference).
 
 aot_eager backend: the check is tracing without breaks, not inductor's code.
 """
@@ -20,7 +23,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (ci/setup_ve
 import spec_tree_kernels as stk  # noqa: E402
 from spec_tree_kernels import reference  # noqa: E402
 
-from spec_plugins.tree_drafting import TreeShape, grow_level, select_trees  # noqa: E402
+from spec_plugins import tree_drafting  # noqa: E402
+from spec_plugins.tree_drafting import TreeShape, block_topk, block_trees, grow_level, select_trees  # noqa: E402
 
 R, K, S, T, H, V = 3, 4, 5, 8, 16, 40
 
@@ -52,6 +56,20 @@ def test_tree_selection_compiles_without_graph_breaks():
     graph = compiled(lambda *a: select_trees(*a, shape, impl="torch"))(scores, tokens, parent_list)
     for name in ("tokens", "parents", "top1"):
         assert torch.equal(getattr(eager, name), getattr(graph, name)), name
+
+
+def test_the_ddtree_draft_tail_compiles_without_graph_breaks(monkeypatch):
+    L, N = 4, 10
+    monkeypatch.setattr(tree_drafting, "LOGSUMEXP_CHUNK_ELEMENTS", 5 * V)  # 12 rows: chunks of 5, 5 and 2
+    logits = torch.randn(R, L, V, generator=torch.Generator().manual_seed(4)).bfloat16()
+
+    def tail(logits):
+        values, tokens = block_topk(logits, K)
+        trees = block_trees(values, tokens, N, impl="torch")
+        return values, trees.tokens, trees.parents, trees.top1
+
+    for a, b in zip(tail(logits), compiled(tail)(logits)):
+        assert torch.equal(a, b)
 
 
 def test_the_verify_tail_compiles_without_graph_breaks():

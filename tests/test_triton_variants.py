@@ -292,6 +292,59 @@ def test_draft_steps_launch_only_warmed_variants():
     assert not {launch.variant for launch in without} & {v for v in served if v.kernel == "_branch_attention_kernel"}
 
 
+# ------------------------------------------- a block drafter's trees (DDTree)
+
+BLOCK_SHAPE = TreeShape(7, 4, 16)  # L = a DFlash drafter's 7 mask rows, top-4 per row, 15 drafts
+
+
+def test_a_block_drafters_tree_build_is_warmed():
+    """Issue #52: DDTree's tree build (``build_block_tree``, through
+    ``tree_drafting.block_topk`` / ``block_trees`` as the DFlash adapters
+    call it) launches, whatever the batch, only the variant a block-drafter
+    configuration warms; an EAGLE configuration of the same shape warms no
+    tree build, and a block drafter no selection (it ranks no pool)."""
+    from spec_plugins.tree_drafting import block_topk, block_trees
+
+    block = tiny_config(shapes=(BLOCK_SHAPE,), verify_depth=15, block_drafter=True)
+    with recording() as warmed:
+        warm_up(block, DEVICE, impls={**dict.fromkeys(TRITON_OPS, "torch"), "block_tree": "triton"})
+    with recording() as served:
+        for batch in (1, 3, 8):
+            logits = torch.randn(batch, BLOCK_SHAPE.num_steps, 50, device=DEVICE).bfloat16()
+            block_trees(*block_topk(logits, BLOCK_SHAPE.topk), BLOCK_SHAPE.num_draft_tokens - 1, impl="triton")
+    assert {v.kernel for v in served} == {"_block_tree_kernel"}
+    missing = set(served) - set(warmed)
+    assert not missing, "served but not warmed: " + ", ".join(sorted(map(str, missing)))
+    block_kernels = {launch.variant.kernel for launch in serving_launches(block, DEVICE, impls=ALL_TRITON)}
+    assert "_block_tree_kernel" in block_kernels and "_select_kernel" not in block_kernels
+    eagle = serving_launches(tiny_config(shapes=(BLOCK_SHAPE,), verify_depth=15), DEVICE, impls=ALL_TRITON)
+    assert "_select_kernel" in {launch.variant.kernel for launch in eagle}
+    assert not {launch.variant for launch in eagle} & set(served)
+
+
+def test_the_vllm_runner_tells_the_warm_up_its_trees_come_from_a_block_drafter(monkeypatch):
+    """``startup_checks.warm_tree_kernels`` (both vLLM runners) passes the
+    runner's block_drafter on: without it a DFlash engine would warm EAGLE's
+    selection and compile DDTree's tree build in its first step."""
+    from types import SimpleNamespace
+
+    import spec_tree_kernels.startup as startup
+    from spec_plugins.vllm_ext.config import TreeSettings
+    from spec_plugins.vllm_ext.startup_checks import warm_tree_kernels
+
+    configs = []
+    monkeypatch.setattr(startup, "warm_up", lambda config, device, **kwargs: configs.append(config))
+    for block_drafter in (True, False):
+        runner = SimpleNamespace(
+            tree_settings=TreeSettings(BLOCK_SHAPE), block_drafter=block_drafter, verify_depth=15,
+            scheduler_config=SimpleNamespace(max_num_seqs=4), max_model_len=256, device=torch.device(DEVICE),
+            model_config=SimpleNamespace(get_vocab_size=lambda: 50), tree_impl="auto",
+            compilation_config=SimpleNamespace(static_forward_context={}),
+            kv_cache_config=SimpleNamespace(kv_cache_groups=[]))
+        warm_tree_kernels(runner, [], [])
+    assert [c.block_drafter for c in configs] == [True, False] and configs[0].shapes == (BLOCK_SHAPE,)
+
+
 def test_without_tritons_binder_the_key_is_finer_never_coarser(monkeypatch):
     """Another Triton release whose binder cannot be called: launches are told
     apart by a finer key, so the warm-up runs more of them and misses none."""

@@ -27,7 +27,7 @@ import torch
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from spec_plugins.tree_drafting import DraftTrees, block_topk, block_trees
+from spec_plugins.tree_drafting import DraftTrees, block_topk, block_trees, warm_block_drafting
 
 from .errors import TreeConfigError
 
@@ -52,6 +52,7 @@ class TreeDFlashProposer(DFlashProposer):
         shape = runner.tree_settings.shape
         self.block_nodes = shape.num_draft_tokens - 1
         self.block_topk_k = shape.topk
+        self.block_length = shape.num_steps  # vLLM's num_speculative_tokens is T - 1 outside propose
         self.tree_impl = runner.tree_impl
         if self.use_heterogeneous_vocab:  # the trees take top-K over the target's vocabulary
             raise TreeConfigError(f"spec_tree with method 'dflash': the drafter {self.draft_model_config.model} has "
@@ -62,6 +63,13 @@ class TreeDFlashProposer(DFlashProposer):
                                   f"{self.draft_model_config.model} was trained on blocks of {block} (the bonus "
                                   f"token + {block - 1} mask rows); set num_steps <= {block - 1}")
         self.trees: DraftTrees | None = None
+
+    def warm_up_trees(self) -> None:
+        """The draft tail once at startup (``tree_drafting.warm_block_drafting``):
+        vLLM's DFlash ``dummy_run`` stops after the drafter's forward, so no
+        profile or graph-capture run reaches ``_sample_draft_tokens``."""
+        warm_block_drafting(self.block_length, self.draft_model_config.get_vocab_size(), self.dtype, self.device,
+                            self.block_topk_k, self.block_nodes, impl=self.tree_impl)
 
     def take_trees(self) -> DraftTrees:
         """The trees of the last ``propose`` (one per request of the batch)."""

@@ -182,6 +182,8 @@ class TreeRunnerMixin:
         # a block drafter's layers run DFlash's own attention only (no tree rows, no draft levels)
         warmed = warm_tree_kernels(self, target_layers, [] if self.block_drafter else sorted(draft_layers))
         self.tree_stats.warmed_variants, self.tree_stats.warm_up_seconds = len(warmed.variants), warmed.seconds
+        if self.block_drafter:
+            self.drafter.warm_up_trees()
         install_full_logitsprocs(self)  # logit_bias, min_p, entry-point processors apply as without speculation
         impl = self.compilation_config.static_forward_context[target_layers[0]].impl.tree_impl
         self.tree_stats.tree_attention_impl = stk.resolve_impl("attention", impl, self.device)

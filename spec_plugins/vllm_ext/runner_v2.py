@@ -234,6 +234,8 @@ class TreeRunnerV2Mixin:
         check_at_startup(self, target_layers, draft_layers)
         # a block drafter's layers run DFlash's own attention only (no tree rows, no draft levels)
         warm_tree_kernels(self, target_layers, [] if self.block_drafter else draft_layers)
+        if self.block_drafter:
+            self.speculator.warm_up_trees()
         self._warm_kv_move()
 
     def _check_kernel_block_sizes(self) -> None:

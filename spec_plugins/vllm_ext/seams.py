@@ -201,6 +201,8 @@ SEAMS: tuple[Seam, ...] = (
     *(Seam(V2_DFLASH, a, "attr", why="DFlash's query block, sized from num_speculative_steps: set to L, rebuilt")
       for a in ("num_speculative_steps", "num_query_per_req", "sample_indices", "sample_pos", "sample_idx_mapping",
                 "sample_col", "draft_tokens", "max_num_reqs", "max_num_tokens")),
+    *(Seam(V2_DFLASH, a, "attr", why="the draft tail's startup warm-up: the mask rows' logits as the step sees them")
+      for a in ("vocab_size", "dtype", "device")),
     # --- DDTree over vLLM's V1 DFlash proposer (proposer_dflash.py, runner.TreeRunnerMixin._propose_block_trees) --
     Seam(V1_DFLASH, "propose", "method", "num_speculative_tokens, target_token_ids, target_positions, "
          "target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata, "
@@ -216,6 +218,8 @@ SEAMS: tuple[Seam, ...] = (
     *(Seam(V1_DFLASH, a, "attr", why="read by TreeDFlashProposer") for a in (
         "model", "num_speculative_tokens", "use_heterogeneous_vocab", "draft_model_config", "parallel_drafting",
         "_draft_attn_layer_names")),
+    *(Seam(V1_DFLASH, a, "attr", why="the draft tail's startup warm-up: the mask rows' logits as the step sees them")
+      for a in ("dtype", "device")),
     Seam(V1_DFLASH, "positions", "attr", why="the query positions (tests: the block oracle reads them)"),
     *(Seam(GMR, a, "attr", why="read by the DFlash tree path") for a in (
         "use_aux_hidden_state_outputs", "effective_drafter_max_model_len")),

@@ -35,7 +35,7 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from spec_plugins.tree_drafting import block_topk, block_trees
+from spec_plugins.tree_drafting import block_topk, block_trees, warm_block_drafting
 
 from .attention import publish_verify_trees
 from .errors import TreeConfigError
@@ -92,6 +92,13 @@ class TreeDFlashSpeculatorV2(TreeSpeculatorStateMixin, DFlashSpeculator):
         self.sample_pos = torch.zeros(rows, dtype=torch.int64, device=device)
         self.sample_idx_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.sample_col = torch.arange(length, dtype=torch.int32, device=device).repeat(self.max_num_reqs)
+
+    def warm_up_trees(self) -> None:
+        """The draft tail once at startup (``tree_drafting.warm_block_drafting``),
+        whether or not vLLM's profile run, warm-up requests or graph captures
+        reach ``_generate_draft`` first (eager engines capture nothing)."""
+        warm_block_drafting(self.num_speculative_steps, self.vocab_size, self.dtype, self.device, self.block_topk_k,
+                            self.block_nodes, impl=self.tree_runner.tree_impl)
 
     def make_drafter(self) -> None:
         """Nothing to build: the block drafter is DFlash's own model."""

@@ -110,8 +110,9 @@ def check_attention_layer(name: str, layer, model_dtype: torch.dtype) -> None:
 
 def warm_tree_kernels(runner, target_layers, draft_layers):
     """Launch once every Triton variant the runner's steps can make (on CUDA:
-    tree attention and selection, and the walks and the KV move where the CUDA
-    ops did not build; on the host CPU nothing unless SPEC_TREE_KERNELS_IMPL=triton).
+    tree attention and selection, or a block drafter's tree build, and the
+    walks and the KV move where the CUDA ops did not build; on the host CPU
+    nothing unless SPEC_TREE_KERNELS_IMPL=triton).
 
     What varies mid-serving is covered: the scheduler cuts a request's drafts
     to any BFS prefix (every tree size 2..T), the adaptive budget drafts each
@@ -126,7 +127,8 @@ def warm_tree_kernels(runner, target_layers, draft_layers):
     shapes = [s for s in settings.menu if s is not None] if settings.menu else [settings.shape]
     config = ServingConfig(shapes=shapes, mode=settings.mask_mode, prefix_trim=True,
                            verify_depth=runner.verify_depth, max_batch=runner.scheduler_config.max_num_seqs,
-                           max_context_len=runner.max_model_len, vocab_size=runner.model_config.get_vocab_size())
+                           max_context_len=runner.max_model_len, vocab_size=runner.model_config.get_vocab_size(),
+                           block_drafter=runner.block_drafter)
     ctx = runner.compilation_config.static_forward_context
     group_of = {name: gid for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups)
                 for name in group.layer_names}

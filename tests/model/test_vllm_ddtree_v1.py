@@ -79,16 +79,27 @@ def run_engine(kwargs: dict, jobs: list, oracle: BlockLogitsOracle | None = None
 
     if "kv_cache_memory_bytes" not in kwargs:  # vLLM-CPU's default depends on the machine's free memory
         raise ValueError("every engine states kv_cache_memory_bytes (tests/test_engine_sizing.py)")
+    import spec_tree_kernels as stk
+
     if fault:
         os.environ[FAULT_ENV] = fault  # read when the worker builds the runner class
+    startup_trees, build_block_tree = [], stk.build_block_tree
+
+    def recorded_build(values, tokens, num_nodes, **kwargs):  # the trees the engine builds before any request
+        startup_trees.append((tuple(values.shape), num_nodes))
+        return build_block_tree(values, tokens, num_nodes, **kwargs)
+
+    stk.build_block_tree = recorded_build
     try:
         llm = LLM(**kwargs)
     finally:
         os.environ.pop(FAULT_ENV, None)
+        stk.build_block_tree = build_block_tree
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     if oracle is not None:
         oracle.install_v1(runner)
-    result = {"runner": type(runner).__name__, "jobs": [], "prompts": [], "after_job": []}
+    result = {"runner": type(runner).__name__, "jobs": [], "prompts": [], "after_job": [],
+              "startup_trees": startup_trees}
     if "speculative_config" in kwargs:
         result["context"] = watch_context_writes(runner.drafter.model)
     for job in jobs:
@@ -159,6 +170,16 @@ def test_engines_run_ddtree_on_the_v1_runner(runs):
         stats = runs[name]["after_job"][-1]["stats"]
         assert stats["block_tree_steps"] > 0 and stats["trees_verified"] > 0, stats
     assert runs["ddtree"]["after_job"][0]["accepted"] > 0, runs["ddtree"]["after_job"]  # the trained drafter's trees
+
+
+def test_the_draft_tail_is_warmed_at_startup(runs):
+    """vLLM's V1 DFlash dummy_run stops after the drafter's forward: only the
+    runner's warm-up (``TreeDFlashProposer.warm_up_trees``) builds a tree
+    before the first request, at the engine's L, K and node count (on a GPU:
+    the tree kernel's Triton compile and the top-K's first launch)."""
+    L, K, T = SHAPE["num_steps"], SHAPE["topk"], SHAPE["num_draft_tokens"]
+    assert runs["ddtree"]["startup_trees"] == [((1, L, K), T - 1)], runs["ddtree"]["startup_trees"]
+    assert runs["none"]["startup_trees"] == []
 
 
 def test_the_jobs_exercise_what_they_claim(runs):
