@@ -5,12 +5,14 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 # (package, module) pairs that stay in the repository: benchmarks, the HF
-# reference decoders (EAGLE trees and DDTree), the docs' support-table generator, the SGLang test doubles
+# reference decoders (EAGLE trees and DDTree), the docs' support-table generator, the SGLang test doubles,
+# the CPU-features line of CI and the host-kernel bench
 REPOSITORY_ONLY = {
     ("spec_plugins", "acceptance_bench"),
     ("spec_plugins", "bench_noise"),
     ("spec_plugins", "block_bench"),
     ("spec_plugins", "block_decoder"),
+    ("spec_plugins", "cpu_features"),
     ("spec_plugins", "cpu_v2_interpreter"),
     ("spec_plugins", "reference_decoder"),
     ("spec_plugins", "support_table"),

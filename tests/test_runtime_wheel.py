@@ -34,7 +34,7 @@ REPO_ONLY_PACKAGES = ("spec_plugins.heads", "spec_plugins.kernel_bench", "spec_p
                       "spec_plugins.training")
 REPO_ONLY_MODULES = ("spec_plugins.vllm_bench", "spec_plugins.bench_noise", "spec_plugins.acceptance_bench",
                      "spec_plugins.reference_decoder", "spec_plugins.block_decoder", "spec_plugins.block_bench",
-                     "spec_plugins.sglang_ext._testing", "spec_plugins.support_table")
+                     "spec_plugins.sglang_ext._testing", "spec_plugins.support_table", "spec_plugins.cpu_features")
 
 
 def repo_only(module: str) -> bool:

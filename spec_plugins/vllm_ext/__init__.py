@@ -44,8 +44,4 @@ def register() -> None:
     _registered = True
 
 
-def current_platform_kind() -> str:
-    """"cpu" or "cuda": which tree worker (and which seams) this process uses."""
-    from vllm.platforms import current_platform
-
-    return "cpu" if current_platform.is_cpu() else "cuda"
+from .runner_choice import current_platform_kind  # noqa: E402  (re-exported: register and callers read it here)

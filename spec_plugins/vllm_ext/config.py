@@ -421,7 +421,7 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
     if getattr(spec, "disable_padded_drafter_batch", False):
         raise TreeConfigError("speculative_config disable_padded_drafter_batch=True is not supported with spec_tree")
     model = vllm_config.model_config
-    from . import current_platform_kind
+    from .runner_choice import current_platform_kind
 
     if current_platform_kind() == "cuda":
         refusal = cuda_tree_dtype_refusal(model.dtype, f"dtype={str(model.dtype).removeprefix('torch.')} (--dtype)")

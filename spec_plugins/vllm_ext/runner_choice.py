@@ -20,6 +20,13 @@ from __future__ import annotations
 from .errors import TreeConfigError
 
 
+def current_platform_kind() -> str:
+    """"cpu" or "cuda": which tree worker (and which seams) this process uses."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
 V1_ASYNC_WHY = ("vLLM then schedules each step before the last step's drafts reach the host, with placeholder "
                 "draft tokens; the V1 tree runner plans a step's tree attention from the drafted trees on the host")
 
