@@ -12,8 +12,9 @@ checkout (``pip install -e .``), not in the runtime wheel: from the wheel,
 ``doctor`` runs as is and ``check`` takes ``--model``, ``--heads FOLDER`` and
 ``--prompts FILE``. Every subcommand exits non-zero on any failure.
 ``check`` and ``bench`` build every engine alike (``vllm_runs.run_profile``):
-fp32 and eager on a CPU, vLLM's defaults on CUDA (the model's dtype, CUDA
-graphs on); ``--dtype`` and ``--[no-]enforce-eager`` replace them.
+fp32 and eager on a CPU, vLLM's defaults on CUDA (CUDA graphs on; the
+model's dtype for ``bench``, fp16 for ``check``, which compares tokens);
+``--dtype`` and ``--[no-]enforce-eager`` replace them.
 """
 
 from __future__ import annotations
@@ -196,13 +197,15 @@ def configs_for(heads, shapes, engine_chains: bool = False, budget_menus=()):
     return configs
 
 
-def engine_profile(args, configs, command: str):
+def engine_profile(args, configs, command: str, engines_alive: int = 1):
     """The run's ``RunProfile`` (``vllm_runs.run_profile``: the platform's, then
-    ``--dtype`` / ``--[no-]enforce-eager``), logged; exits naming the option
-    when a tree configuration cannot run with the dtype asked for."""
+    ``--dtype`` / ``--[no-]enforce-eager``; ``check`` compares tokens, so it
+    asks for the lossless profile), logged; exits naming the option when a
+    tree configuration cannot run with the dtype asked for."""
     from spec_plugins.vllm_runs import run_profile, tree_dtype_refusal
 
-    profile = run_profile(dtype=args.dtype, enforce_eager=args.enforce_eager)
+    profile = run_profile(dtype=args.dtype, enforce_eager=args.enforce_eager, lossless=command == "check",
+                          engines_alive=engines_alive)
     if any(cfg.head and not cfg.engine_chain for cfg in configs):
         refusal = tree_dtype_refusal(profile)
         if refusal:
@@ -213,7 +216,8 @@ def engine_profile(args, configs, command: str):
 
 def profile_meta(profile) -> dict:
     """What a report records of the run's engine settings."""
-    return {"platform": profile.platform, "dtype": profile.dtype, "enforce_eager": profile.enforce_eager}
+    share = {} if profile.gpu_memory_utilization is None else {"gpu_memory_utilization": profile.gpu_memory_utilization}
+    return {"platform": profile.platform, "dtype": profile.dtype, "enforce_eager": profile.enforce_eager, **share}
 
 
 # -------------------------------------------------------------------- doctor
@@ -364,7 +368,7 @@ def cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts, model)
     configs = configs_for(heads, shapes, engine_chains=not args.no_engine_chain,
                           budget_menus=args.budget)
-    profile = engine_profile(args, configs, "bench")
+    profile = engine_profile(args, configs, "bench", engines_alive=len(configs) if rounds else 1)
     if rounds:
         results = vb.run_interleaved(configs, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
                                      rounds, args.temperatures, log=log_line, progress=progress_printer,
@@ -576,9 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--num-prompts", type=int, default=num_prompts)
         p.add_argument("--max-tokens", type=int, default=max_tokens)
         p.add_argument("--dtype", default=None,
-                       help="every engine's dtype, as vLLM's --dtype (default: the platform's: float32 on a CPU, "
-                            "vLLM's auto on CUDA, the model's dtype; tree mode on CUDA refuses one its attention "
-                            "backend does not take)")
+                       help="every engine's dtype, as vLLM's --dtype (default: float32 on a CPU; on CUDA vLLM's "
+                            "auto, the model's dtype, for bench and float16 for check, whose token comparison bf16's "
+                            "near-tie flips would fail; tree mode on CUDA refuses one its attention backend does "
+                            "not take)")
         p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                        help="every engine eager (no graph capture) or not (default: eager on a CPU, vLLM's default "
                             "on CUDA: CUDA graphs on)")

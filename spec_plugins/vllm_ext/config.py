@@ -480,6 +480,8 @@ def check_draft_rows_fit(vllm_config, settings: TreeSettings) -> None:
 
     if vllm_config.compilation_config.mode == CompilationMode.NONE:  # eager: any number of rows
         return
+    if getattr(getattr(vllm_config, "speculative_config", None), "method", None) == BLOCK_DRAFTER_METHOD:
+        return  # a block drafter has no draft levels: DFlash's one forward of 1 + L rows per request is vLLM's own
     topk = max(s.topk for s in (settings.menu or (settings.shape,)) if s is not None)
     scheduler = vllm_config.scheduler_config
     seqs, limit = scheduler.max_num_seqs, scheduler.max_num_batched_tokens

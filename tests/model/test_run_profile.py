@@ -160,12 +160,17 @@ def fake_runs(monkeypatch):
 
 def test_check_runs_every_engine_with_the_profile_and_records_it(cuda, fake_runs, tmp_path, capsys):
     junit = tmp_path / "check.xml"
+    """check compares tokens: fp16 on CUDA (bf16 flips near-ties, fp32 the tree backend refuses), graphs on."""
     assert cli.main(["check", "--shapes", "5,4,8", "--junit", str(junit)]) == 0
     assert set(fake_runs) == {"no-spec", "eagle3 tree(5,4,8)"}
-    assert all((kw["dtype"], kw["enforce_eager"]) == ("auto", False) for kw in fake_runs.values()), fake_runs
-    assert "dtype auto, enforce_eager False" in capsys.readouterr().out
+    assert all((kw["dtype"], kw["enforce_eager"]) == ("float16", False) for kw in fake_runs.values()), fake_runs
+    assert all("gpu_memory_utilization" not in kw for kw in fake_runs.values())  # one engine at a time
+    assert "dtype float16, enforce_eager False" in capsys.readouterr().out
     props = {p.get("name"): p.get("value") for p in ET.parse(junit).getroot().iter("property")}
-    assert props == {"platform": "cuda", "dtype": "auto", "enforce_eager": "False"}
+    assert props == {"platform": "cuda", "dtype": "float16", "enforce_eager": "False"}
+    for checkpoint in (torch.float32, torch.bfloat16, torch.float16):  # vLLM's own reading of --dtype float16
+        assert resolved_dtype("float16", checkpoint) == torch.float16
+    assert TreeFlashAttentionBackend.supports_dtype(torch.float16)
 
 
 def test_check_on_cpu_builds_the_engines_it_built_before(fake_runs, tmp_path):
@@ -200,7 +205,7 @@ def test_interleaved_bench_gives_every_engine_the_profile(cuda, fake_runs, monke
         pass
 
     def run_interleaved(configs, *args, **kwargs):
-        fake_runs["interleaved"] = kwargs
+        fake_runs["interleaved"], fake_runs["interleaved_configs"] = kwargs, configs
         raise Stop
 
     monkeypatch.setattr(vllm_bench, "run_interleaved", run_interleaved)
@@ -208,6 +213,9 @@ def test_interleaved_bench_gives_every_engine_the_profile(cuda, fake_runs, monke
         cli.main(["bench"])
     kw = fake_runs["interleaved"]
     assert (kw["dtype"], kw["enforce_eager"]) == ("auto", False)
+    # every configuration's engine alive at once: each asks vLLM for its share of the GPU, together 0.9
+    engines = len(fake_runs["interleaved_configs"])
+    assert engines >= 3 and kw["gpu_memory_utilization"] == round(0.9 / engines, 3)
 
 
 @pytest.mark.parametrize("command", ["check", "bench"])
@@ -243,3 +251,12 @@ def test_serving_fp32_trees_on_cuda_is_refused_at_startup_naming_the_option(cuda
     with pytest.raises(TreeConfigError, match=r"dtype=float32 \(--dtype\): spec_tree on CUDA .*bfloat16"):
         validate_vllm_config(built, settings)
     assert cuda_tree_dtype_refusal(torch.bfloat16, "x") is None and cuda_tree_dtype_refusal(torch.float16, "x") is None
+
+
+def test_dtype_is_read_as_vllm_reads_it(cuda):
+    """vLLM lowercases --dtype (BFloat16, Half are its spellings too): so does the profile, so the
+    refusal judges what vLLM will run."""
+    profile = vllm_runs.run_profile(dtype="BFloat16", platform="cuda")
+    assert profile.dtype == "bfloat16" and vllm_runs.tree_dtype_refusal(profile) is None
+    assert vllm_runs.tree_dtype_refusal(vllm_runs.run_profile(dtype="Half", platform="cuda")) is None
+    assert vllm_runs.run_profile(platform="cpu", engines_alive=5).gpu_memory_utilization is None  # no GPU

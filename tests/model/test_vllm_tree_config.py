@@ -547,6 +547,10 @@ def test_compiled_heads_refuse_more_draft_rows_than_their_buffer():
         check_draft_rows_fit(*config(CompilationMode.VLLM_COMPILE, 33))
     with pytest.raises(tc.TreeConfigError, match=r"topk=8"):
         check_draft_rows_fit(*config(CompilationMode.VLLM_COMPILE, 32, menu=(None, TreeShape(3, 8, 16))))
+    # a DFlash drafter (DDTree) has no draft levels: the rows of vLLM's own block forward are vLLM's to size
+    block = config(CompilationMode.VLLM_COMPILE, 33)
+    block[0].speculative_config = SimpleNamespace(method="dflash")
+    check_draft_rows_fit(*block)
 
 
 @pytest.mark.parametrize("mode", ["ANCESTOR_BITMASK", "PARENT_POINTER", "QLEN_ONLY"])
