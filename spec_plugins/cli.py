@@ -197,15 +197,14 @@ def configs_for(heads, shapes, engine_chains: bool = False, budget_menus=()):
     return configs
 
 
-def engine_profile(args, configs, command: str, engines_alive: int = 1):
+def engine_profile(args, configs, command: str):
     """The run's ``RunProfile`` (``vllm_runs.run_profile``: the platform's, then
     ``--dtype`` / ``--[no-]enforce-eager``; ``check`` compares tokens, so it
     asks for the lossless profile), logged; exits naming the option when a
     tree configuration cannot run with the dtype asked for."""
     from spec_plugins.vllm_runs import run_profile, tree_dtype_refusal
 
-    profile = run_profile(dtype=args.dtype, enforce_eager=args.enforce_eager, lossless=command == "check",
-                          engines_alive=engines_alive)
+    profile = run_profile(dtype=args.dtype, enforce_eager=args.enforce_eager, lossless=command == "check")
     if any(cfg.head and not cfg.engine_chain for cfg in configs):
         refusal = tree_dtype_refusal(profile)
         if refusal:
@@ -216,8 +215,7 @@ def engine_profile(args, configs, command: str, engines_alive: int = 1):
 
 def profile_meta(profile) -> dict:
     """What a report records of the run's engine settings."""
-    share = {} if profile.gpu_memory_utilization is None else {"gpu_memory_utilization": profile.gpu_memory_utilization}
-    return {"platform": profile.platform, "dtype": profile.dtype, "enforce_eager": profile.enforce_eager, **share}
+    return {"platform": profile.platform, "dtype": profile.dtype, "enforce_eager": profile.enforce_eager}
 
 
 # -------------------------------------------------------------------- doctor
@@ -368,7 +366,13 @@ def cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts, model)
     configs = configs_for(heads, shapes, engine_chains=not args.no_engine_chain,
                           budget_menus=args.budget)
-    profile = engine_profile(args, configs, "bench", engines_alive=len(configs) if rounds else 1)
+    profile = engine_profile(args, configs, "bench")
+    if rounds and profile.platform != "cpu":
+        # every engine alive at once: each vLLM worker checks at start that its share of the GPU's memory is
+        # free, which several engines on one GPU fail; engines are sized by kv_cache_memory_bytes only
+        print("spec-plugins bench: on a GPU the configurations run one engine at a time (--sequential)",
+              file=sys.stderr, flush=True)
+        rounds = None
     if rounds:
         results = vb.run_interleaved(configs, model, [t for _, t in prompts], args.max_tokens, args.concurrency,
                                      rounds, args.temperatures, log=log_line, progress=progress_printer,

@@ -141,28 +141,23 @@ class RunProfile:
     platform: str  # "cpu" | "cuda": ``spec_plugins.vllm_ext.current_platform_kind``
     dtype: str  # vLLM's --dtype: "auto" = the model's own (fp32 checkpoints downcast on CUDA)
     enforce_eager: bool
-    # CUDA with several engines alive at once: each one's share, None: vLLM's default
-    gpu_memory_utilization: float | None = None
 
     def engine_overrides(self) -> dict:
         """``engine_kwargs`` overrides: what the profile sets."""
-        share = {} if self.gpu_memory_utilization is None else {"gpu_memory_utilization": self.gpu_memory_utilization}
-        return {"dtype": self.dtype, "enforce_eager": self.enforce_eager, **share}
+        return {"dtype": self.dtype, "enforce_eager": self.enforce_eager}
 
     def describe(self) -> str:
-        share = "" if self.gpu_memory_utilization is None else f", gpu_memory_utilization {self.gpu_memory_utilization}"
-        return f"{self.platform}: dtype {self.dtype}, enforce_eager {self.enforce_eager}{share}"
+        return f"{self.platform}: dtype {self.dtype}, enforce_eager {self.enforce_eager}"
 
 
 # ``check`` on CUDA: fp32 is refused there (the tree backend is FlashAttention's), and bf16 flips exact
 # near-ties between a tree's verify rows and plain decode (docs/limits.md#numerics), which a
 # token-for-token comparison would report as failures; fp16's 10 mantissa bits are the closest to lossless
 LOSSLESS_CUDA_DTYPE = "float16"
-GPU_MEMORY_SHARED = 0.9  # vLLM's default gpu_memory_utilization, split between engines alive at once
 
 
 def run_profile(dtype: str | None = None, enforce_eager: bool | None = None, platform: str | None = None,
-                lossless: bool = False, engines_alive: int = 1) -> RunProfile:
+                lossless: bool = False) -> RunProfile:
     """The one place that decides what ``spec-plugins check`` / ``bench`` engines
     run with, per vLLM platform (``current_platform``, read when ``platform`` is None):
 
@@ -173,9 +168,6 @@ def run_profile(dtype: str | None = None, enforce_eager: bool | None = None, pla
       engine slower for everyone would not be done, so the comparison runs
       the engine as users run it. ``lossless`` (``check``'s token-for-token
       comparison): float16 instead of auto (``LOSSLESS_CUDA_DTYPE``).
-      ``engines_alive`` > 1 (the interleaved bench): each engine asks vLLM
-      for its share of the GPU (each vLLM worker checks at start that its
-      gpu_memory_utilization of the GPU is free).
 
     ``dtype`` / ``enforce_eager``: the command line's ``--dtype`` /
     ``--[no-]enforce-eager``, replacing the platform's choice."""
@@ -193,9 +185,8 @@ def run_profile(dtype: str | None = None, enforce_eager: bool | None = None, pla
         defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
         base = {"dtype": LOSSLESS_CUDA_DTYPE if lossless else defaults["dtype"],
                 "enforce_eager": defaults["enforce_eager"]}
-    share = round(GPU_MEMORY_SHARED / engines_alive, 3) if platform != "cpu" and engines_alive > 1 else None
     return RunProfile(platform, dtype.lower() if dtype is not None else base["dtype"],
-                      enforce_eager if enforce_eager is not None else base["enforce_eager"], share)
+                      enforce_eager if enforce_eager is not None else base["enforce_eager"])
 
 
 def tree_dtype_refusal(profile: RunProfile, option: str = "--dtype") -> str | None:

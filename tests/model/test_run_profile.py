@@ -164,7 +164,6 @@ def test_check_runs_every_engine_with_the_profile_and_records_it(cuda, fake_runs
     assert cli.main(["check", "--shapes", "5,4,8", "--junit", str(junit)]) == 0
     assert set(fake_runs) == {"no-spec", "eagle3 tree(5,4,8)"}
     assert all((kw["dtype"], kw["enforce_eager"]) == ("float16", False) for kw in fake_runs.values()), fake_runs
-    assert all("gpu_memory_utilization" not in kw for kw in fake_runs.values())  # one engine at a time
     assert "dtype float16, enforce_eager False" in capsys.readouterr().out
     props = {p.get("name"): p.get("value") for p in ET.parse(junit).getroot().iter("property")}
     assert props == {"platform": "cuda", "dtype": "float16", "enforce_eager": "False"}
@@ -196,26 +195,20 @@ def test_bench_runs_all_three_alike_and_records_it(cuda, fake_runs, tmp_path, mo
         "platform": "cuda", "dtype": "auto", "enforce_eager": False}
 
 
-def test_interleaved_bench_gives_every_engine_the_profile(cuda, fake_runs, monkeypatch):
-    """The default bench (every engine alive at once): run_interleaved gets the
-    profile as the engine settings of every configuration's engine."""
+def test_default_bench_on_a_gpu_runs_one_engine_at_a_time_with_the_profile(cuda, fake_runs, monkeypatch, tmp_path):
+    """The default bench (interleaved: every engine alive at once) on CUDA runs the configurations one
+    engine at a time instead (each vLLM worker checks at start that its share of the GPU's memory is free;
+    engines are sized by kv_cache_memory_bytes only), each with the profile."""
     from spec_plugins import vllm_bench
 
-    class Stop(Exception):
-        pass
-
-    def run_interleaved(configs, *args, **kwargs):
-        fake_runs["interleaved"], fake_runs["interleaved_configs"] = kwargs, configs
-        raise Stop
+    def run_interleaved(*args, **kwargs):
+        raise AssertionError("interleaved engines on a GPU")
 
     monkeypatch.setattr(vllm_bench, "run_interleaved", run_interleaved)
-    with pytest.raises(Stop):
-        cli.main(["bench"])
-    kw = fake_runs["interleaved"]
-    assert (kw["dtype"], kw["enforce_eager"]) == ("auto", False)
-    # every configuration's engine alive at once: each asks vLLM for its share of the GPU, together 0.9
-    engines = len(fake_runs["interleaved_configs"])
-    assert engines >= 3 and kw["gpu_memory_utilization"] == round(0.9 / engines, 3)
+    monkeypatch.setattr(vllm_bench, "write_report", lambda rows, meta, out, summary: None)
+    assert cli.main(["bench", "--concurrency", "1", "--shapes", "5,4,8", "--out", str(tmp_path)]) == 0
+    assert {"no-spec", "eagle3 tree(5,4,8)"} <= set(fake_runs)
+    assert {(kw["dtype"], kw["enforce_eager"]) for kw in fake_runs.values()} == {("auto", False)}
 
 
 @pytest.mark.parametrize("command", ["check", "bench"])
@@ -259,4 +252,3 @@ def test_dtype_is_read_as_vllm_reads_it(cuda):
     profile = vllm_runs.run_profile(dtype="BFloat16", platform="cuda")
     assert profile.dtype == "bfloat16" and vllm_runs.tree_dtype_refusal(profile) is None
     assert vllm_runs.tree_dtype_refusal(vllm_runs.run_profile(dtype="Half", platform="cuda")) is None
-    assert vllm_runs.run_profile(platform="cpu", engines_alive=5).gpu_memory_utilization is None  # no GPU
