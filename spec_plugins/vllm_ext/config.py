@@ -304,11 +304,7 @@ def check_block_drafter(settings: TreeSettings, drafter: str | None = None,
                               f"below depth {shape.num_draft_tokens - 1}, and the drafter's 1 + num_steps query rows "
                               f"must fit the T slots vLLM schedules per request; set num_steps <= "
                               f"{shape.num_draft_tokens - 1}")
-    try:
-        stk.validate_block_tree_shape(shape.num_steps, shape.topk, shape.num_draft_tokens - 1)
-    except ValueError as e:
-        raise TreeConfigError(f"spec_tree with method 'dflash' (num_steps=L={shape.num_steps}, topk={shape.topk}, "
-                              f"num_draft_tokens={shape.num_draft_tokens}): {e}") from None
+    # the block's capacity (sum of K^d): BlockTreeShape checked it when the settings were parsed
     cfg = Path(drafter) / "config.json" if drafter else None  # a hub id: checked when the speculator is built
     block = json.loads(cfg.read_text()).get("block_size") if cfg is not None and cfg.is_file() else None
     if block is not None and shape.num_steps > block - 1:
