@@ -156,6 +156,17 @@ def test_selection_is_not_timed_for_cuda():
     assert all("error" in r for r in rows if r["impl"] == "cuda")  # no CUDA tensors here: each call raises, rows say so
 
 
+def built_host_kernel() -> None:
+    """The host kernel built (a build error of ours fails the test); skipped only without a C compiler."""
+    import pytest
+
+    from spec_tree_kernels import cpu_attention
+
+    if cpu_attention.find_compiler() is None:
+        pytest.skip("no host C compiler to build the kernel")
+    assert cpu_attention.build(), cpu_attention.build_error()
+
+
 def test_cpu_attention_bench_point_times_all_three_on_the_same_rows(capsys):
     """The host-CPU tree attention bench (python -m spec_plugins.kernel_bench.cpu_attention):
     one point times torch and the host kernel on the same rows and the host
@@ -163,14 +174,9 @@ def test_cpu_attention_bench_point_times_all_three_on_the_same_rows(capsys):
     importable (the core venv has none)."""
     import importlib.util
 
-    import pytest
-
     from spec_plugins.kernel_bench import cpu_attention as bench
-    from spec_tree_kernels import cpu_attention
 
-    if cpu_attention.find_compiler() is None:
-        pytest.skip("no host C compiler to build the kernel")
-    assert cpu_attention.build(), cpu_attention.build_error()
+    built_host_kernel()
     row = bench.bench_point(batch=2, context=150, rounds=3)
     assert row["torch"] > 0 and row["cpu"] > 0 and row["cpu_max_abs_err"] < 1e-4
     assert (row["vllm"] is None) == (importlib.util.find_spec("vllm") is None)
@@ -188,14 +194,10 @@ def test_cpu_attention_bench_roofline_counts_every_lane_and_thread():
     counted by hand."""
     import time
 
-    import pytest
-
     from spec_plugins.kernel_bench import cpu_attention as bench
     from spec_tree_kernels import cpu_attention
 
-    if cpu_attention.find_compiler() is None:
-        pytest.skip("no host C compiler to build the kernel")
-    assert cpu_attention.build(), cpu_attention.build_error()
+    built_host_kernel()
     iters, chains, lanes = 2_000_000, 12, cpu_attention.register_block_floats()
     for threads in (1, 2):
         t0 = time.perf_counter()
