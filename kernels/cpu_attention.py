@@ -100,8 +100,8 @@ def build(compiler: str | None = None) -> bool:
     lib.spec_tree_attention_workspace.restype = i64
     lib.spec_tree_attention_lanes.argtypes = []
     lib.spec_tree_attention_lanes.restype = i64
-    lib.spec_tree_fma_per_second.argtypes = [i64, i64]  # iters, threads
-    lib.spec_tree_fma_per_second.restype = ctypes.c_double
+    lib.spec_tree_fma_seconds.argtypes = [i64, i64, ctypes.POINTER(ctypes.c_double)]  # iters, threads, fmas out
+    lib.spec_tree_fma_seconds.restype = ctypes.c_double
     lib.spec_branch_attention_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64,
                                               i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, f32, ptr, ptr,
                                               i64, f32, ptr, ptr]  # window, soft_cap, sinks, alibi
@@ -118,11 +118,21 @@ def register_block_floats() -> int:
     return int(_lib.spec_tree_attention_lanes())
 
 
+def fma_work(threads: int, iters: int = 20_000_000) -> tuple[float, float]:
+    """(float FMAs done, seconds) of ``iters`` rounds of register-only FMA chains
+    on ``threads`` threads: every lane of every thread counted, the time of the
+    slowest thread (``build()`` first)."""
+    fmas = ctypes.c_double(0.0)
+    seconds = float(_lib.spec_tree_fma_seconds(iters, threads, ctypes.byref(fmas)))
+    return fmas.value, seconds
+
+
 def fma_per_second(threads: int, iters: int = 20_000_000) -> float:
     """Float FMAs per second this build's register block sustains on ``threads``
     threads, all in registers: the machine's ceiling for the kernel's two FMA
     passes (the kernel bench's roofline; ``build()`` first)."""
-    return float(_lib.spec_tree_fma_per_second(iters, threads))
+    fmas, seconds = fma_work(threads, iters)
+    return fmas / seconds if seconds > 0 else 0.0
 
 
 def available() -> bool:

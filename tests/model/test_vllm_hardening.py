@@ -12,6 +12,7 @@ Two engines (no speculation, tree) serve the same three batches.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -223,15 +224,27 @@ def test_bf16_engines_speculate_in_this_cpus_layout(prompts, monkeypatch, shape)
 
 
 def test_tiled_views_through_a_bf16_tree_engine_change_no_token(prompts, monkeypatch):
-    """``TiledKV`` end to end on any CPU: the layout vLLM picks here,
+    """``TiledKV`` end to end on any CPU: vLLM's strided "vec" layout,
     re-described as tiles of 16 tokens x 2 dims (every index of a TiledKV
     used: a true description of the same bytes), so every tree row, draft step
     and accepted-path KV move of a bf16 tree engine goes through TiledKV
     views. Greedy tokens must equal the same engine's on plain views. (vLLM's
-    own kernels keep reading their layout: only our views change.)"""
+    own kernels keep reading their layout: only our views change.) Both
+    engines run "vec" on every CPU: for bf16 an AMX CPU would get vLLM's tiled
+    "amx" layout, whose plain-view twin does not exist."""
     from vllm import LLM, SamplingParams
+    from vllm.v1.attention.backends import cpu_attn
 
     from spec_plugins.vllm_ext import attention_cpu
+
+    real_isa = cpu_attn._get_attn_isa
+
+    @functools.wraps(real_isa)  # the seam check reads its signature
+    def vec_for_amx(*args, **kwargs):
+        isa = real_isa(*args, **kwargs)
+        return "vec" if isa == "amx" else isa
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", vec_for_amx)
 
     real_fit = attention_cpu._fit_tiles
 
