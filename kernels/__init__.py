@@ -15,6 +15,8 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``build_block_tree``   DDTree: best-first tree over a block drafter's per-position top-K
                          (``block_tree.py``; ``BlockTree``, ``block_tree_capacity``, ``BlockTreeShape``).
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
+* ``recurrent_tree``     hybrid models' recurrent layers over a tree (GDN, Mamba2, causal conv;
+                         ``recurrent_tree.py``): each node from its parent's state.
 * ``mask_bytes_per_request`` memory of each mask mode.
 * ``TreeShape``          (num_steps, topk, num_draft_tokens), validated; ``TreeShape.parse("5,4,8")``.
 * ``prepare(device)``    engine startup: build/load the CUDA kernels now (Triton if
@@ -49,6 +51,7 @@ from .api import (
     verify_tree_sampling,
 )
 from .block_tree import BlockTree, BlockTreeShape, block_tree_capacity, build_block_tree, validate_block_tree_shape
+from . import recurrent_tree
 from .modes import TreeMaskMode, mask_bytes_per_request, parse_mask_mode
 from .reference import TreeBuild, VerifyResult
 from .startup import prepare
@@ -86,6 +89,7 @@ __all__ = [
     "parse_mask_mode",
     "pool_size",
     "prepare",
+    "recurrent_tree",
     "resolve_impl",
     "select_tree_nodes",
     "tree_attention",

@@ -57,7 +57,8 @@ def test_no_nvcc_falls_back_to_triton_and_says_why(fresh_state, monkeypatch, cap
     assert warned and "nvcc not found" in warned[0].getMessage() and "Triton" in warned[0].getMessage()
     expected = "triton" if stk.api.triton_available() else "torch"
     assert impls == {"select": expected, "build": expected, "verify": expected, "verify_sampling": expected,
-                     "move_kv": expected, "attention": expected, "block_tree": expected, "from_parents": expected}
+                     "move_kv": expected, "attention": expected, "block_tree": expected, "from_parents": expected,
+                     "recurrent": expected}
     assert not list(fresh_state.glob("*.lock")), "no build was attempted, so no lock is left"
 
 

@@ -30,7 +30,8 @@ def test_reduced_device_check(tmp_path):
     triton = report["correctness"]["triton"]
     assert triton["failed"] == 0 and triton["passed"] > 50, triton
     assert {"select/triton", "build/triton", "from_parents/triton", "verify/triton", "move/triton",
-            "block_tree/triton"} <= set(triton["counts"])
+            "block_tree/triton", "recurrent_gdn/triton", "recurrent_ssm/triton", "recurrent_conv/triton"} <= set(
+        triton["counts"])
     assert triton["accepted_draft_tokens"] > 0  # the verify cases accept something
     assert report["bench"]["rows"] and "ours_by_mode" in report["headline"]["eager_us"]
     bench = report["bench"]  # the harness's tree-ops point: every op of both impls, none raising
@@ -53,7 +54,8 @@ def test_reduced_device_check(tmp_path):
     assert own["failed"] == 0 and own["v2_step_torch"]["ok"] and own["verify_tail_torch"]["ok"], own
     # issue #49 item 3: a verify layer's tree rows and a draft level's attention, metadata from persistent buffers
     assert own["verify_attention_torch"]["ok"] and own["draft_level_attention_torch"]["ok"], own
-    assert own["block_tree_torch"]["ok"], own  # issue #52: DDTree's drafting after the block forward
+    assert own["block_tree_torch"]["ok"], own
+    assert own["recurrent_tree_torch"]["ok"], own  # a hybrid layer's tree step: conv, GDN, Mamba2, commit  # issue #52: DDTree's drafting after the block forward
     graphs = report["sglang_graphs"]  # issue #38: TARGET_VERIFY capture / replay stand-in, every mask mode
     assert graphs["failed"] == 0 and graphs["passed"] == 3 and all(r["replays"] == 2 for r in graphs["rows"]), graphs
     if spec_tree:

@@ -26,6 +26,7 @@ from spec_tree_kernels import TreeMaskMode as M
 
 from .cases import kv_layouts, open_selection, sampling_args
 from .plumbing import CheckRun, Tally, first_diff, same
+from .recurrent import check_recurrent_trees
 
 FULL_CASES = [  # (topk, num_steps, nodes, flavor) x batches
     (1, 6, 7, "onehot"),
@@ -260,6 +261,12 @@ def run_correctness(run: CheckRun, impls, key: str, min_left: float = 0.0) -> Ta
     except Exception as exc:  # the op raising is a failure of the impl under test
         tally.add("error/block_tree", False, error=f"{type(exc).__name__}: {exc}"[:400])
         run.report.log("  block trees raised:", traceback.format_exc(limit=3))
+    try:
+        if "triton" in impls:  # the recurrent tree ops have a torch and a Triton implementation only
+            check_recurrent_trees(tally, run.reduced, run.device)
+    except Exception as exc:
+        tally.add("error/recurrent", False, error=f"{type(exc).__name__}: {exc}"[:400])
+        run.report.log("  recurrent trees raised:", traceback.format_exc(limit=3))
     result = tally.as_dict()
     result.update(impls=impls, seconds=round(time.time() - t0, 1), cases_skipped_for_time=skipped,
                   accepted_draft_tokens=accepted, max_acceptable_draft_tokens=possible)  # fmt: skip

@@ -25,6 +25,9 @@ with an eager call on the same inputs:
 * ``block_tree``: DDTree's drafting after a block drafter's forward (issue
   #52): each position's top-K of the block logits (``block_topk``) and the
   best-first tree over them (``block_trees``);
+* ``recurrent_tree``: a hybrid layer's tree step (causal conv along each
+  node's path, GDN and Mamba2 recurrences from each node's parent, the
+  accepted path's state and conv window committed; ``recurrent.py``);
 * ``draft_level_attention``: one draft level's attention
   (``BranchAttentionPlan``: committed head KV read in place from the paged
   cache, the level's branch KV appended to the scratch, ancestor mask), its
@@ -44,6 +47,7 @@ import spec_tree_kernels as stk
 from spec_plugins.tree_drafting import TreeShape, block_topk, block_trees, grow_level, select_trees
 
 from .plumbing import CheckRun
+from .recurrent import recurrent_graph_inputs, recurrent_step
 
 R, K, S, T, H, V = 8, 4, 5, 8, 64, 512
 HQ, HKV, D, BLOCK, BLOCKS = 4, 2, 32, 16, 64  # attention cases: heads, head dim, cache blocks of BLOCK tokens
@@ -200,6 +204,7 @@ def cases(run: CheckRun):
         yield f"verify_attention_{impl}", verify_attention_inputs(dtype), verify_attention(impl)
         yield f"draft_level_attention_{impl}", draft_level_inputs_paged(dtype), draft_level_attention(impl)
         yield f"block_tree_{impl}", block_logits_inputs(dtype), block_tree_step(impl)
+        yield f"recurrent_tree_{impl}", recurrent_graph_inputs, recurrent_step(impl)
 
 
 def leaves_equal(a, b) -> bool:
