@@ -58,47 +58,51 @@ def path(parents: list[int], node: int) -> list[int]:
 # ------------------------------------------------------------------ oracle
 
 
-def oracle_gdn(q, k, v, g, beta, parents, init, scale):
-    """Sequential gated delta rule along each node's path, float64."""
-    R, T, Hk, _ = k.shape
-    Hv = v.shape[2]
-    out = torch.zeros(R, T, Hv, v.shape[3], dtype=torch.float64)
-    states = torch.zeros((R, T) + tuple(init.shape[1:]), dtype=torch.float64)
+def replay_paths(parents, heads: int, init, step):
+    """Every node's (output, state) from running ``step(state, r, n, h) -> (state, out)``
+    over its root-to-node path, from the request's committed state init[r, h], float64."""
+    R, T = parents.shape
+    outs, states = {}, {}
     for r in range(R):
         rows = parents[r].tolist()
         for t in range(T):
-            for h in range(Hv):
-                hk = h * Hk // Hv
-                S = init[r, h].double().clone()  # [K, V]
+            for h in range(heads):
+                state = init[r, h].double().clone()
                 for n in path(rows, t):
-                    kn, vn, qn = k[r, n, hk].double(), v[r, n, h].double(), q[r, n, hk].double() * scale
-                    S = S * torch.exp(g[r, n, h].double())
-                    S = S + torch.outer(kn, beta[r, n, h].double() * (vn - S.T @ kn))
-                    o = S.T @ qn
-                out[r, t, h], states[r, t, h] = o, S
-    return out, states
+                    state, out = step(state, r, n, h)
+                outs[r, t, h], states[r, t, h] = out, state
+
+    def stacked(d):
+        return torch.stack([torch.stack([torch.stack([d[r, t, h] for h in range(heads)]) for t in range(T)])
+                            for r in range(R)])
+    return stacked(outs), stacked(states)
+
+
+def oracle_gdn(q, k, v, g, beta, parents, init, scale):
+    """Sequential gated delta rule: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q."""
+    Hk, Hv = k.shape[2], v.shape[2]
+
+    def step(S, r, n, h):
+        kn, vn, qn = k[r, n, h * Hk // Hv].double(), v[r, n, h].double(), q[r, n, h * Hk // Hv].double() * scale
+        S = S * torch.exp(g[r, n, h].double())
+        S = S + torch.outer(kn, beta[r, n, h].double() * (vn - S.T @ kn))
+        return S, S.T @ qn
+
+    return replay_paths(parents, Hv, init, step)
 
 
 def oracle_ssm(x, dt, A, B, C, D, dt_bias, parents, init, z):
-    """Sequential Mamba2 update along each node's path, float64."""
-    R, T, H, P = x.shape
-    G = B.shape[2]
-    out = torch.zeros(R, T, H, P, dtype=torch.float64)
-    states = torch.zeros((R, T) + tuple(init.shape[1:]), dtype=torch.float64)
-    for r in range(R):
-        rows = parents[r].tolist()
-        for t in range(T):
-            for h in range(H):
-                gi = h * G // H
-                s = init[r, h].double().clone()  # [P, N]
-                for n in path(rows, t):
-                    d = F.softplus(dt[r, n, h].double() + dt_bias[h].double())
-                    s = s * torch.exp(d * A[h].double()) + torch.outer(d * x[r, n, h].double(), B[r, n, gi].double())
-                    y = s @ C[r, n, gi].double() + D[h].double() * x[r, n, h].double()
-                    if z is not None:
-                        y = y * F.silu(z[r, n, h].double())
-                out[r, t, h], states[r, t, h] = y, s
-    return out, states
+    """Sequential Mamba2: d = softplus(dt + bias); s = exp(d A) s + d x B^T; y = s C + D x (* silu(z))."""
+    H, G = x.shape[2], B.shape[2]
+
+    def step(s, r, n, h):
+        gi, xn = h * G // H, x[r, n, h].double()
+        d = F.softplus(dt[r, n, h].double() + dt_bias[h].double())
+        s = s * torch.exp(d * A[h].double()) + torch.outer(d * xn, B[r, n, gi].double())
+        y = s @ C[r, n, gi].double() + D[h].double() * xn
+        return s, y if z is None else y * F.silu(z[r, n, h].double())
+
+    return replay_paths(parents, H, init, step)
 
 
 def path_inputs(x, conv_state, parents, r, node):
