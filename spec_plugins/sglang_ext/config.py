@@ -152,6 +152,40 @@ def check_torch_backend_device(backend: Optional[str], device) -> None:
         )
 
 
+def check_decode_context_parallel_size(dcp_size, backend: Optional[str]) -> None:
+    """Refuse ``--dcp-size > 1`` with our verify (ValueError naming the flag).
+    Under decode context parallelism each rank stores only the positions it
+    owns (SGLang's Triton backend writes ``out_cache_loc // dcp_size`` under a
+    rank mask and merges partial attention across the group); our verify
+    writes and reads every position in the local pool, so its attention would
+    be wrong or read past the pool. SGLang's own Triton tree verify refuses
+    custom masks under DCP too."""
+    if backend in OUR_BACKENDS and dcp_size is not None and int(dcp_size) > 1:
+        raise ValueError(
+            f"{ALGORITHM_NAME}: attention backend {backend!r} does not support decode context parallelism "
+            f"(--dcp-size {dcp_size}): its tree verify reads each request's whole context from the local KV "
+            "cache; use --dcp-size 1"
+        )
+
+
+# SGLang's KV pool layouts (``MHATokenToKVPool.kv_cache_layout``) our verify
+# cannot read, and what selects each: it reads token slots [slots, heads, dim]
+# (NHD), while HND stores [pages, heads, page_size, dim] and AITER's
+# vectorized_5d tiles the head dim.
+HND_KV_CACHE_ENV = "SGLANG_USE_HND_KVCACHE"
+UNREADABLE_KV_CACHE_LAYOUTS = {"hnd": HND_KV_CACHE_ENV, "vectorized_5d": "SGLANG_AITER_KV_CACHE_LAYOUT"}
+
+
+def kv_cache_layout_refusal(backend: Optional[str], layout: str) -> str:
+    """The startup error for a KV pool of ``layout``, naming what selected it."""
+    variable = UNREADABLE_KV_CACHE_LAYOUTS[layout]
+    return (
+        f"{ALGORITHM_NAME}: attention backend {backend!r} does not support the {layout.upper()} KV cache layout "
+        f"({variable}): its tree verify reads the KV cache as token slots [slots, heads, head_dim] (NHD); "
+        f"unset {variable}, or use one of SGLang's attention backends"
+    )
+
+
 def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> TreeShape:
     """Startup check of the draft-tree shape against the mask mode and the
     selection pool (ValueError with the offending flag); the shape."""
@@ -261,7 +295,10 @@ __all__ = [
     "SGLANG_BLOCK_DRAFTER_ARCHITECTURES",
     "block_drafter_evidence",
     "block_drafter_refusal",
+    "HND_KV_CACHE_ENV",
+    "check_decode_context_parallel_size",
     "check_torch_backend_device",
+    "kv_cache_layout_refusal",
     "detect_variant",
     "device_type",
     "mask_mode_source",

@@ -52,6 +52,7 @@ def clean_env(monkeypatch):
     # the user's knobs, unset unless a test sets them
     monkeypatch.delenv(config.VARIANT_ENV, raising=False)
     monkeypatch.delenv(config.MASK_MODE_ENV, raising=False)
+    monkeypatch.delenv("SGLANG_USE_HND_KVCACHE", raising=False)
     monkeypatch.delenv(engine_versions.ALLOW_UNTESTED_ENV, raising=False)
 
 
@@ -447,6 +448,16 @@ STARTUP_ERRORS = [
                  id="dp-attention-deprecated-flag"),
     pytest.param({}, {"enable_two_batch_overlap": True}, "does not support --enable-two-batch-overlap",
                  id="two-batch-overlap"),
+    # decode context parallelism: each rank holds part of every context, our verify reads it whole
+    pytest.param({}, {"attention_backend": config.BACKEND_TRITON, "device": "cuda", "dcp_size": 2, "tp_size": 2},
+                 "'spec_tree_triton' does not support decode context parallelism \\(--dcp-size 2\\)", id="dcp"),
+    pytest.param({}, {"dcp_size": 2, "tp_size": 2}, "'spec_tree' does not support decode context parallelism",
+                 id="dcp-spec-tree"),
+    # an HND pool is [pages, heads, page_size, dim]; our verify reads token slots
+    pytest.param({"SGLANG_USE_HND_KVCACHE": "1"}, {"attention_backend": config.BACKEND_TRITON, "device": "cuda"},
+                 "'spec_tree_triton' does not support the HND KV cache layout \\(SGLANG_USE_HND_KVCACHE\\)",
+                 id="hnd-kv-cache"),
+    pytest.param({"SGLANG_USE_HND_KVCACHE": "true"}, {}, "unset SGLANG_USE_HND_KVCACHE", id="hnd-kv-cache-spec-tree"),
     # SGLang's own EAGLE-family check (_handle_eagle_family), applied to EAGLE_TREE
     pytest.param({}, {"page_size": 4}, "speculative_eagle_topk > 1 with page_size > 1 is only supported on",
                  id="sglang-eagle-check-page-size"),
@@ -461,11 +472,15 @@ def test_clear_startup_errors(ckpt, monkeypatch, env, kwargs, message):
         resolve(ckpt, **kwargs)
 
 
-def test_sglang_backends_keep_dp_attention_and_two_batch_overlap(ckpt):
+def test_sglang_backends_keep_dp_attention_and_two_batch_overlap(ckpt, monkeypatch):
     """They build SGLang's FULL_MASK, which SGLang itself pads and splits."""
     view = resolved_view(resolve(ckpt, attention_backend="triton", attn_dp_size=2, tp_size=2))
     assert view.attn_dp_size == 2
     assert resolved_view(resolve(ckpt, attention_backend="triton", enable_two_batch_overlap=True)).enable_two_batch_overlap
+    # and decode context parallelism and the HND KV cache are SGLang's own business there
+    assert resolved_view(resolve(ckpt, attention_backend="triton", dcp_size=2, tp_size=2)).dcp_size == 2
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    resolve(ckpt, attention_backend="triton")
 
 
 def test_other_algorithms_are_untouched(ckpt, monkeypatch):
