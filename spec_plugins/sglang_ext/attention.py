@@ -201,7 +201,8 @@ def refuse_stream_capture(backend_name: str) -> None:
     metadata glue graph (``SGLANG_ENABLE_METADATA_GLUE_GRAPH=1``) records the
     replay prep (``MetadataGlueGraph.run``); on a capture failure it falls back
     to the eager prep for good, which is what this refusal gets: ours is
-    prepared eagerly every step, the draft runners keep their glue graphs."""
+    prepared eagerly every step (SGLang's EAGLE draft runners have no glue
+    graph)."""
     if _stream_capturing():
         raise GraphCaptureRefused(
             f"{ALGORITHM_NAME}: attention backend {backend_name!r} prepares target verify outside CUDA graphs "

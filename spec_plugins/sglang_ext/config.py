@@ -6,9 +6,9 @@ rules can be read (and unit-tested) without the engine.
 User-facing knobs (all read at startup; the scheduler processes inherit them):
 
 ``--speculative-tree-mask-mode`` (server flag), else ``SPEC_PLUGINS_TREE_MASK_MODE``
-    Tree-mask layout the worker builds for the verify pass: FULL_MASK,
-    QLEN_ONLY, QLEN_ONLY_BITPACKING, ANCESTOR_BITMASK or PARENT_POINTER (name,
-    any case, or the integer value). The flag wins over the variable. Neither:
+    Tree-mask layout the worker builds for the verify pass:
+    ``SERVABLE_MASK_MODES`` (FULL_MASK, QLEN_ONLY, ANCESTOR_BITMASK or
+    PARENT_POINTER; name, any case, or the integer value). The flag wins over the variable. Neither:
     the layout the target attention backend reads (ANCESTOR_BITMASK for ours,
     SGLang's own default for SGLang's backends). The flag is added to SGLang's
     parser by hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``
@@ -62,9 +62,10 @@ OUR_BACKEND_DEFAULT_MODE = DEFAULT_TREE_ATTENTION_MODE
 def _parse_requested(raw: str, source: str) -> TreeMaskMode:
     try:
         return parse_mask_mode(int(raw) if raw.lstrip("-").isdigit() else raw)
-    except ValueError as err:
+    except ValueError:
         given = f"{source}={raw!r}" if source == MASK_MODE_ENV else f"{source} {raw!r}"
-        raise ValueError(f"{ALGORITHM_NAME}: {given}: {err}") from None
+        names = ", ".join(m.name for m in SERVABLE_MASK_MODES)
+        raise ValueError(f"{ALGORITHM_NAME}: {given}: unknown tree mask mode {raw!r}; expected one of: {names}") from None
 
 
 def mask_mode_source(flag: Optional[str] = None) -> str:
@@ -101,6 +102,15 @@ def readable_modes(verify_backend: Optional[str]) -> tuple[TreeMaskMode, ...]:
     if verify_backend in OUR_BACKENDS:
         return OUR_BACKEND_MODES
     return (sglang_backend_mode(verify_backend),)
+
+
+# What the flag offers: the modes some verify backend reads. QLEN_ONLY_BITPACKING
+# is not among them (no reader in 0.5.23): asking for it fails at startup,
+# naming the flag or variable and what the backend reads.
+SERVABLE_MASK_MODES = tuple(
+    m for m in TreeMaskMode
+    if any(m in readable_modes(b) for b in (*OUR_BACKENDS, None, *SGLANG_QLEN_ONLY_BACKENDS))
+)  # fmt: skip
 
 
 def resolve_mask_mode(
@@ -200,7 +210,6 @@ def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> Tree
         raise ValueError(
             f"{ALGORITHM_NAME}: --speculative-num-draft-tokens={num_draft_tokens} exceeds what tree mask mode "
             f"{mode.name} supports ({max_nodes(mode)} nodes)"
-            + ("; use ANCESTOR_BITMASK for larger trees" if mode == TreeMaskMode.QLEN_ONLY_BITPACKING else "")
         )
     try:
         return TreeShape(num_steps, topk, num_draft_tokens)
@@ -289,6 +298,7 @@ __all__ = [
     "MAX_TREE_NODES",
     "OUR_BACKENDS",
     "OUR_BACKEND_MODES",
+    "SERVABLE_MASK_MODES",
     "TORCH_BACKEND_REFUSED_DEVICES",
     "VARIANT_ENV",
     "BLOCK_DRAFTER_CONFIG_KEY",

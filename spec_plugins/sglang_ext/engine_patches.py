@@ -348,7 +348,7 @@ def _add_cli_args_hook(original, parser):
     validated where the server arguments are resolved, with the other
     speculative flags, by ``algorithm.resolve_eagle_tree``). In every process,
     whether or not EAGLE_TREE is active: the flag exists wherever SGLang parses."""
-    from .config import MASK_MODE_DEST, MASK_MODE_ENV, MASK_MODE_FLAG, OUR_BACKEND_MODES
+    from .config import MASK_MODE_DEST, MASK_MODE_ENV, MASK_MODE_FLAG, OUR_BACKEND_MODES, SERVABLE_MASK_MODES
 
     result = original(parser)
     if MASK_MODE_FLAG not in parser._option_string_actions:
@@ -359,7 +359,7 @@ def _add_cli_args_hook(original, parser):
             default=None,
             help=(
                 f"{ALGORITHM_NAME} (spec-plugins): the tree mask layout the verify pass builds, "
-                f"{', '.join(m.name for m in TreeMaskMode)} (name, any case, or number); unset: what the "
+                f"{', '.join(m.name for m in SERVABLE_MASK_MODES)} (name, any case, or number); unset: what the "
                 f"verify attention backend reads ({', '.join(m.name for m in OUR_BACKEND_MODES)} for spec_tree*). "
                 f"Wins over ${MASK_MODE_ENV}."
             ),

@@ -309,7 +309,11 @@ def test_mask_mode_flag_on_sglangs_parser_wins_over_the_variable(ckpt, monkeypat
 
 MASK_MODE_FLAG_ERRORS = [
     pytest.param(("BOGUS",), {}, "--speculative-tree-mask-mode 'BOGUS': unknown tree mask mode 'BOGUS'; expected one "
-                 "of: FULL_MASK, QLEN_ONLY, QLEN_ONLY_BITPACKING, ANCESTOR_BITMASK, PARENT_POINTER", id="unknown"),
+                 "of: FULL_MASK, QLEN_ONLY, ANCESTOR_BITMASK, PARENT_POINTER", id="unknown"),
+    pytest.param(("qlen_only_bitpacking",), {}, "--speculative-tree-mask-mode QLEN_ONLY_BITPACKING: attention backend "
+                 "'spec_tree' cannot read", id="bitpacking-has-no-reader"),
+    pytest.param(("2",), {"backend": "triton"}, "--speculative-tree-mask-mode QLEN_ONLY_BITPACKING: attention backend "
+                 "'triton' cannot read", id="bitpacking-by-number"),
     pytest.param(("full_mask",), {}, "--speculative-tree-mask-mode FULL_MASK: attention backend 'spec_tree' cannot "
                  "read this tree mask; it reads ANCESTOR_BITMASK, PARENT_POINTER, QLEN_ONLY", id="backend-cannot-read"),
     pytest.param(("ANCESTOR_BITMASK",), {"backend": "triton"}, "--speculative-tree-mask-mode ANCESTOR_BITMASK: "
@@ -325,6 +329,30 @@ def test_mask_mode_flag_is_validated_at_resolution(ckpt, monkeypatch, value, kwa
     monkeypatch.setenv(config.MASK_MODE_ENV, "PARENT_POINTER")  # valid: the error is the flag's
     with pytest.raises(ValueError, match=re.escape(message)):
         parse(ckpt, config.MASK_MODE_FLAG, *value, **kwargs)
+
+
+MASK_MODE_READERS = (config.BACKEND_TORCH, config.BACKEND_TRITON, "triton", "flashinfer", "intel_amx")
+
+
+def test_mask_mode_flag_offers_only_modes_a_backend_reads():
+    """The flag's help on SGLang's parser lists exactly the modes some verify
+    backend reads: QLEN_ONLY_BITPACKING has no reader in SGLang 0.5.23, so
+    offering it offers a startup failure."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    help_text = parser._option_string_actions[config.MASK_MODE_FLAG].help
+    named = [name for name in re.findall(r"\b[A-Z_]+\b", help_text) if name in config.TreeMaskMode.__members__]
+    offered = list(dict.fromkeys(named))  # the help also says which of them ours read
+    read = [m.name for m in config.TreeMaskMode if any(m in config.readable_modes(b) for b in MASK_MODE_READERS)]
+    assert offered == read == ["FULL_MASK", "QLEN_ONLY", "ANCESTOR_BITMASK", "PARENT_POINTER"], help_text
+    for name in offered:
+        mode = config.TreeMaskMode[name]
+        readers = [b for b in MASK_MODE_READERS if mode in config.readable_modes(b)]
+        assert readers and all(config.resolve_mask_mode(mode, b, config.MASK_MODE_FLAG) == mode for b in readers)
 
 
 # ------------------------------------------------------------- resolution
