@@ -13,7 +13,8 @@ User-facing knobs (all read at startup; the scheduler processes inherit them):
     SGLang's own default for SGLang's backends). The flag is added to SGLang's
     parser by hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``
     (``engine_patches``) and carried in the server args (``MASK_MODE_RECORD``)
-    to every process.
+    to every process; ``sglang.Engine`` takes it as the keyword
+    ``speculative_tree_mask_mode`` (``engine_patches.install_engine_keyword``).
 ``SPEC_PLUGINS_EAGLE_TREE_VARIANT``
     EAGLE or EAGLE3. Unset: detected from the draft head's config
     (``architectures`` naming ``Eagle3``). Either way decided once, where the

@@ -307,6 +307,98 @@ def test_mask_mode_flag_on_sglangs_parser_wins_over_the_variable(ckpt, monkeypat
         _testing.publish(resolve(ckpt))
 
 
+def engine_server_args(monkeypatch, **kwargs):
+    """The ServerArgs ``sglang.Engine(**kwargs)`` builds: SGLang's own
+    ``Engine.__init__`` (its load_plugins, its ServerArgs construction from
+    the keywords), stopped where it would launch the scheduler processes."""
+    import sglang
+    from sglang.srt.entrypoints import engine
+
+    class Launching(Exception):
+        pass
+
+    def launch(cls, server_args, **launch_kwargs):
+        raise Launching(server_args)
+
+    monkeypatch.setattr(engine.Engine, "_launch_subprocesses", classmethod(launch))
+    monkeypatch.setattr(engine.atexit, "register", lambda function: function)  # no shutdown of an unlaunched Engine
+    with pytest.raises(Launching) as launched:
+        sglang.Engine(**kwargs)
+    return launched.value.args[0]
+
+
+def test_mask_mode_is_an_engine_keyword(ckpt, monkeypatch):
+    """``sglang.Engine(speculative_tree_mask_mode=...)``, as every other
+    speculative flag is an Engine keyword: the value arrives in the ServerArgs
+    Engine builds (SGLang's own class, so what SGLang pickles to its
+    schedulers is unchanged), and from there it is what the flag is: resolved
+    and validated with the speculative flags, carried to the scheduler, read
+    by the worker."""
+    from sglang.srt.server_args import ServerArgs
+
+    from spec_plugins.sglang_ext import worker
+
+    engine_kwargs = dict(
+        model_path=ckpt["target"], speculative_algorithm="EAGLE_TREE", speculative_draft_model_path=ckpt["eagle3_head"],
+        attention_backend=config.BACKEND_TORCH, device="cpu", skip_tokenizer_init=True,
+    )  # fmt: skip
+    monkeypatch.setenv(config.MASK_MODE_ENV, "QLEN_ONLY")  # the keyword wins over it, as the flag does
+    for given, recorded in (("parent_pointer", "parent_pointer"), (config.TreeMaskMode.PARENT_POINTER, "PARENT_POINTER"),
+                            (4, "4")):  # fmt: skip
+        server_args = engine_server_args(monkeypatch, **engine_kwargs, speculative_tree_mask_mode=given)
+        assert type(server_args) is ServerArgs
+        assert getattr(server_args, config.MASK_MODE_RECORD) == recorded
+        server_args.resolve_once()
+        _testing.publish(pickle.loads(pickle.dumps(server_args)))  # what a scheduler process is handed
+        assert worker.configured_mask_mode() == config.TreeMaskMode.PARENT_POINTER
+    # not given: the variable, as without the flag
+    server_args = engine_server_args(monkeypatch, **engine_kwargs)
+    assert getattr(server_args, config.MASK_MODE_RECORD, None) is None
+    server_args.resolve_once()
+    _testing.publish(server_args)
+    assert worker.configured_mask_mode() == config.TreeMaskMode.QLEN_ONLY
+    # validated where the flag is, naming it
+    server_args = engine_server_args(monkeypatch, **engine_kwargs, speculative_tree_mask_mode="qlen_only_bitpacking")
+    with pytest.raises(ValueError, match="--speculative-tree-mask-mode QLEN_ONLY_BITPACKING: attention backend 'spec_tree' cannot read"):
+        server_args.resolve_once()
+    _testing.publish(resolve(ckpt))
+
+
+FIRST_ENGINE_PROCESS = """
+import sys
+from spec_plugins.sglang_ext import _testing
+_testing.install_import_stubs()  # torchvision only; the plugin is not registered by hand
+import sglang
+from sglang.srt.entrypoints import engine
+
+class Launching(Exception):
+    pass
+
+def launch(cls, server_args, **kwargs):
+    raise Launching(server_args)
+
+engine.Engine._launch_subprocesses = classmethod(launch)
+engine.atexit.register = lambda function: function
+try:
+    sglang.Engine(model_path=sys.argv[1], speculative_algorithm="EAGLE_TREE", speculative_draft_model_path=sys.argv[2],
+                  attention_backend="spec_tree", device="cpu", skip_tokenizer_init=True,
+                  speculative_tree_mask_mode="parent_pointer")
+except Launching as launched:
+    print("RECORDED:", getattr(launched.args[0], sys.argv[3], None))
+"""
+
+
+def test_mask_mode_is_a_keyword_of_the_first_engine_of_a_process(ckpt):
+    """The usual case: a fresh interpreter whose first ``sglang.Engine(...)``
+    loads the plugins itself (SGLang's entry points), just before it builds
+    its ServerArgs from the keywords."""
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_ENGINE_PROCESS, ckpt["target"], ckpt["eagle3_head"], config.MASK_MODE_RECORD],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "RECORDED: parent_pointer" in out.stdout, (out.stdout, out.stderr[-3000:])
+
+
 MASK_MODE_FLAG_ERRORS = [
     pytest.param(("BOGUS",), {}, "--speculative-tree-mask-mode 'BOGUS': unknown tree mask mode 'BOGUS'; expected one "
                  "of: FULL_MASK, QLEN_ONLY, ANCESTOR_BITMASK, PARENT_POINTER", id="unknown"),
