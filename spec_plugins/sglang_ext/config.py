@@ -8,8 +8,8 @@ User-facing knobs (all read at startup; the scheduler processes inherit them):
 ``--speculative-tree-mask-mode`` (server flag), else ``SPEC_PLUGINS_TREE_MASK_MODE``
     Tree-mask layout the worker builds for the verify pass:
     ``SERVABLE_MASK_MODES`` (FULL_MASK, QLEN_ONLY, ANCESTOR_BITMASK or
-    PARENT_POINTER; name, any case, or the integer value). The flag wins over the variable. Neither:
-    the layout the target attention backend reads (ANCESTOR_BITMASK for ours,
+    PARENT_POINTER; name, any case, or the integer value). The flag wins
+    over the variable. Neither: the layout the target attention backend reads (ANCESTOR_BITMASK for ours,
     SGLang's own default for SGLang's backends). The flag is added to SGLang's
     parser by hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``
     (``engine_patches``) and carried in the server args (``MASK_MODE_RECORD``)
@@ -66,7 +66,8 @@ def _parse_requested(raw: str, source: str) -> TreeMaskMode:
     except ValueError:
         given = f"{source}={raw!r}" if source == MASK_MODE_ENV else f"{source} {raw!r}"
         names = ", ".join(m.name for m in SERVABLE_MASK_MODES)
-        raise ValueError(f"{ALGORITHM_NAME}: {given}: unknown tree mask mode {raw!r}; expected one of: {names}") from None
+        message = f"{ALGORITHM_NAME}: {given}: unknown tree mask mode {raw!r}; expected one of: {names}"
+        raise ValueError(message) from None
 
 
 def mask_mode_source(flag: Optional[str] = None) -> str:

@@ -423,7 +423,8 @@ def test_kv_cache_layouts_tree_verify_cannot_read_are_refused_at_startup(publish
     assert runner.token_to_kv_pool.kv_cache_layout == "hnd"
     assert runner.token_to_kv_pool.k_buffer[0].dim() == 4  # [pages, heads, page_size, dim]
     monkeypatch.delenv("SGLANG_USE_HND_KVCACHE")
-    with pytest.raises(ValueError, match="'spec_tree' does not support the HND KV cache layout \\(SGLANG_USE_HND_KVCACHE\\)"):
+    message = "'spec_tree' does not support the HND KV cache layout \\(SGLANG_USE_HND_KVCACHE\\)"
+    with pytest.raises(ValueError, match=message):
         make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK, runner=runner)
     runner.is_draft_worker = True
     make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK, runner=runner)

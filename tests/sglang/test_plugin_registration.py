@@ -343,8 +343,8 @@ def test_mask_mode_is_an_engine_keyword(ckpt, monkeypatch):
         attention_backend=config.BACKEND_TORCH, device="cpu", skip_tokenizer_init=True,
     )  # fmt: skip
     monkeypatch.setenv(config.MASK_MODE_ENV, "QLEN_ONLY")  # the keyword wins over it, as the flag does
-    for given, recorded in (("parent_pointer", "parent_pointer"), (config.TreeMaskMode.PARENT_POINTER, "PARENT_POINTER"),
-                            (4, "4")):  # fmt: skip
+    given_as = (("parent_pointer", "parent_pointer"), (config.TreeMaskMode.PARENT_POINTER, "PARENT_POINTER"), (4, "4"))
+    for given, recorded in given_as:
         server_args = engine_server_args(monkeypatch, **engine_kwargs, speculative_tree_mask_mode=given)
         assert type(server_args) is ServerArgs
         assert getattr(server_args, config.MASK_MODE_RECORD) == recorded
@@ -359,7 +359,8 @@ def test_mask_mode_is_an_engine_keyword(ckpt, monkeypatch):
     assert worker.configured_mask_mode() == config.TreeMaskMode.QLEN_ONLY
     # validated where the flag is, naming it
     server_args = engine_server_args(monkeypatch, **engine_kwargs, speculative_tree_mask_mode="qlen_only_bitpacking")
-    with pytest.raises(ValueError, match="--speculative-tree-mask-mode QLEN_ONLY_BITPACKING: attention backend 'spec_tree' cannot read"):
+    message = "--speculative-tree-mask-mode QLEN_ONLY_BITPACKING: attention backend 'spec_tree' cannot read"
+    with pytest.raises(ValueError, match=message):
         server_args.resolve_once()
     _testing.publish(resolve(ckpt))
 
