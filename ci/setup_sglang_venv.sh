@@ -21,15 +21,15 @@ venv="$repo_root/.venv-sglang"
 stamp="$venv/.spec-plugins-sglang-stamp"
 
 # pytest-xdist: ci/test.sh runs tests/sglang with -n 2. The second line is
-# what importing SGLang's EAGLE worker, attention backends and server args
-# pulls in (the plugin tests drive those modules); pins are SGLang 0.5.23's.
+# what importing SGLang's EAGLE worker, attention backends, server args and
+# Engine pulls in (the plugin tests drive those modules); pins are SGLang 0.5.23's.
 # torchvision is not installed (PyPI's wheels break beside CPU torch): the
 # plugin tests stub it (spec_plugins/sglang_ext/_testing.py).
 base_packages=(
     torch==2.13.0 triton==3.9.0 pytest pytest-xdist hypothesis numpy orjson psutil pybase64
     requests packaging pillow starlette msgspec pydantic pyzmq tqdm ipython aiohttp
     transformers==5.19.0 einops dill compressed-tensors==0.18.0 gguf openai==2.8.0 partial_json_parser
-    uvicorn fastapi apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 setproctitle
+    uvicorn fastapi apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 setproctitle uvloop
 )
 sglang_package="sglang==0.5.23"
 spec="${base_packages[*]} | --no-deps $sglang_package | --no-deps -e $repo_root"
@@ -40,7 +40,7 @@ imports_ok() {
         'import sglang.kernels.ops.speculative.spec_tree, spec_tree_kernels, hypothesis, pytest, xdist
 from spec_plugins.sglang_ext._testing import install_import_stubs
 install_import_stubs()
-import sglang.srt.speculative.eagle_worker_v2, sglang.srt.layers.attention.torch_native_backend'
+import sglang.srt.speculative.eagle_worker_v2, sglang.srt.layers.attention.torch_native_backend, sglang.srt.entrypoints.engine'
 }
 
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$spec" ]] && imports_ok 2>/dev/null; then

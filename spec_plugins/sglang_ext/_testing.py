@@ -123,6 +123,7 @@ def write_tiny_checkpoint_configs(root) -> dict:
 EXTRA_TEST_PACKAGES = (
     "transformers==5.19.0", "einops", "dill", "compressed-tensors==0.18.0", "gguf", "openai==2.8.0",
     "partial_json_parser", "uvicorn", "fastapi", "apache-tvm-ffi==0.1.11", "sentencepiece==0.2.1", "setproctitle",
+    "uvloop",
 )  # fmt: skip
 
 

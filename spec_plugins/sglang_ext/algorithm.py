@@ -16,6 +16,8 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 from . import name_keyed_features
 from .config import (
     ALGORITHM_NAME,
+    check_decode_context_parallel_size,
+    kv_cache_layout_refusal,
     GRAPHLESS_BACKENDS,
     MASK_MODE_FLAG,
     MASK_MODE_RECORD,
@@ -455,6 +457,18 @@ def check_our_backend_flags(view, backend: str) -> None:
             f"{ALGORITHM_NAME}: attention backend {backend!r} does not support --enable-two-batch-overlap "
             "(it splits the verify mask in FULL_MASK layout); use one of SGLang's attention backends"
         )
+    check_decode_context_parallel_size(view.dcp_size, backend)
+    check_kv_cache_layout_env(backend)
+
+
+def check_kv_cache_layout_env(backend: str) -> None:
+    """SGLANG_USE_HND_KVCACHE, read as SGLang's KV pool reads it (the scheduler
+    processes inherit the variable), so a layout our verify cannot read fails
+    here rather than at graph capture."""
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_USE_HND_KVCACHE.get():
+        raise ValueError(kv_cache_layout_refusal(backend, "hnd"))
 
 
 def declare_our_backend_settings(server_args, view, backend: str) -> None:

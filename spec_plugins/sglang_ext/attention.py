@@ -32,7 +32,8 @@ keeps graphs off for it).
 
 Not supported (clear errors): MLA, sliding-window / logit-capped /
 cross-attention layers, attention sinks, a KV cache dtype other than the model
-dtype.
+dtype, KV cache layouts other than token slots (SGLANG_USE_HND_KVCACHE),
+decode context parallelism (--dcp-size > 1).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ from spec_tree_kernels.modes import MODES, TREE_ATTENTION_MODES, empty_tree_mask
 from .config import (
     ALGORITHM_NAME,
     BACKEND_TORCH,
+    UNREADABLE_KV_CACHE_LAYOUTS,
+    check_decode_context_parallel_size,
     check_torch_backend_device,
+    kv_cache_layout_refusal,
     mask_mode_source,
     requested_mask_mode,
     resolve_mask_mode,
@@ -148,8 +152,9 @@ def check_target_layers(model, backend_name: str) -> None:
 def check_unpadded_verify_batches(backend_name: str) -> None:
     """The verify mask holds the real requests; SGLang pads TARGET_VERIFY
     batches under MLP sync (DP attention, gathered MoE buffers) and splits
-    them (two-batch overlap) in FULL_MASK layout. The resolution hook refuses
-    the flags; this catches any other route to either."""
+    them (two-batch overlap) in FULL_MASK layout; under decode context
+    parallelism each rank holds part of every context. The resolution hook
+    refuses the flags; this catches any other route to them."""
     from sglang.srt.runtime_context import get_exec
     from sglang.srt.utils.common import require_mlp_sync
 
@@ -160,6 +165,18 @@ def check_unpadded_verify_batches(backend_name: str) -> None:
         )
     if get_exec().overlap.enable_two_batch_overlap:
         raise ValueError(f"{ALGORITHM_NAME}: attention backend {backend_name!r} does not support --enable-two-batch-overlap")
+    from sglang.srt.runtime_context import get_parallel
+
+    check_decode_context_parallel_size(get_parallel().attn_dcp_size, backend_name)
+
+
+def check_kv_cache_layout(pool, backend_name: str) -> None:
+    """The pool as SGLang built it: the variables that select its layout are
+    read by the pool itself, so this covers every route to one (resolution
+    refuses SGLANG_USE_HND_KVCACHE already)."""
+    layout = getattr(pool, "kv_cache_layout", None)
+    if layout in UNREADABLE_KV_CACHE_LAYOUTS:
+        raise ValueError(kv_cache_layout_refusal(backend_name, layout))
 
 
 GLUE_GRAPH_ENV = "SGLANG_ENABLE_METADATA_GLUE_GRAPH"
@@ -184,7 +201,8 @@ def refuse_stream_capture(backend_name: str) -> None:
     metadata glue graph (``SGLANG_ENABLE_METADATA_GLUE_GRAPH=1``) records the
     replay prep (``MetadataGlueGraph.run``); on a capture failure it falls back
     to the eager prep for good, which is what this refusal gets: ours is
-    prepared eagerly every step, the draft runners keep their glue graphs."""
+    prepared eagerly every step (SGLang's EAGLE draft runners have no glue
+    graph)."""
     if _stream_capturing():
         raise GraphCaptureRefused(
             f"{ALGORITHM_NAME}: attention backend {backend_name!r} prepares target verify outside CUDA graphs "
@@ -209,6 +227,7 @@ class TreeVerifyMixin:
             check_kv_cache_dtype(model_runner, self.backend_name)
             check_target_layers(getattr(model_runner, "model", None), self.backend_name)
             check_unpadded_verify_batches(self.backend_name)
+            check_kv_cache_layout(getattr(model_runner, "token_to_kv_pool", None), self.backend_name)
         self.tree_is_draft = bool(getattr(model_runner, "is_draft_worker", False))
         from .algorithm import published_mask_mode_flag
 

@@ -6,14 +6,15 @@ rules can be read (and unit-tested) without the engine.
 User-facing knobs (all read at startup; the scheduler processes inherit them):
 
 ``--speculative-tree-mask-mode`` (server flag), else ``SPEC_PLUGINS_TREE_MASK_MODE``
-    Tree-mask layout the worker builds for the verify pass: FULL_MASK,
-    QLEN_ONLY, QLEN_ONLY_BITPACKING, ANCESTOR_BITMASK or PARENT_POINTER (name,
-    any case, or the integer value). The flag wins over the variable. Neither:
-    the layout the target attention backend reads (ANCESTOR_BITMASK for ours,
+    Tree-mask layout the worker builds for the verify pass:
+    ``SERVABLE_MASK_MODES`` (FULL_MASK, QLEN_ONLY, ANCESTOR_BITMASK or
+    PARENT_POINTER; name, any case, or the integer value). The flag wins
+    over the variable. Neither: the layout the target attention backend reads (ANCESTOR_BITMASK for ours,
     SGLang's own default for SGLang's backends). The flag is added to SGLang's
     parser by hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``
     (``engine_patches``) and carried in the server args (``MASK_MODE_RECORD``)
-    to every process.
+    to every process; ``sglang.Engine`` takes it as the keyword
+    ``speculative_tree_mask_mode`` (``engine_patches.install_engine_keyword``).
 ``SPEC_PLUGINS_EAGLE_TREE_VARIANT``
     EAGLE or EAGLE3. Unset: detected from the draft head's config
     (``architectures`` naming ``Eagle3``). Either way decided once, where the
@@ -62,9 +63,11 @@ OUR_BACKEND_DEFAULT_MODE = DEFAULT_TREE_ATTENTION_MODE
 def _parse_requested(raw: str, source: str) -> TreeMaskMode:
     try:
         return parse_mask_mode(int(raw) if raw.lstrip("-").isdigit() else raw)
-    except ValueError as err:
+    except ValueError:
         given = f"{source}={raw!r}" if source == MASK_MODE_ENV else f"{source} {raw!r}"
-        raise ValueError(f"{ALGORITHM_NAME}: {given}: {err}") from None
+        names = ", ".join(m.name for m in SERVABLE_MASK_MODES)
+        message = f"{ALGORITHM_NAME}: {given}: unknown tree mask mode {raw!r}; expected one of: {names}"
+        raise ValueError(message) from None
 
 
 def mask_mode_source(flag: Optional[str] = None) -> str:
@@ -101,6 +104,15 @@ def readable_modes(verify_backend: Optional[str]) -> tuple[TreeMaskMode, ...]:
     if verify_backend in OUR_BACKENDS:
         return OUR_BACKEND_MODES
     return (sglang_backend_mode(verify_backend),)
+
+
+# What the flag offers: the modes some verify backend reads. QLEN_ONLY_BITPACKING
+# is not among them (no reader in 0.5.23): asking for it fails at startup,
+# naming the flag or variable and what the backend reads.
+SERVABLE_MASK_MODES = tuple(
+    m for m in TreeMaskMode
+    if any(m in readable_modes(b) for b in (*OUR_BACKENDS, None, *SGLANG_QLEN_ONLY_BACKENDS))
+)  # fmt: skip
 
 
 def resolve_mask_mode(
@@ -152,6 +164,40 @@ def check_torch_backend_device(backend: Optional[str], device) -> None:
         )
 
 
+def check_decode_context_parallel_size(dcp_size, backend: Optional[str]) -> None:
+    """Refuse ``--dcp-size > 1`` with our verify (ValueError naming the flag).
+    Under decode context parallelism each rank stores only the positions it
+    owns (SGLang's Triton backend writes ``out_cache_loc // dcp_size`` under a
+    rank mask and merges partial attention across the group); our verify
+    writes and reads every position in the local pool, so its attention would
+    be wrong or read past the pool. SGLang's own Triton tree verify refuses
+    custom masks under DCP too."""
+    if backend in OUR_BACKENDS and dcp_size is not None and int(dcp_size) > 1:
+        raise ValueError(
+            f"{ALGORITHM_NAME}: attention backend {backend!r} does not support decode context parallelism "
+            f"(--dcp-size {dcp_size}): its tree verify reads each request's whole context from the local KV "
+            "cache; use --dcp-size 1"
+        )
+
+
+# SGLang's KV pool layouts (``MHATokenToKVPool.kv_cache_layout``) our verify
+# cannot read, and what selects each: it reads token slots [slots, heads, dim]
+# (NHD), while HND stores [pages, heads, page_size, dim] and AITER's
+# vectorized_5d tiles the head dim.
+HND_KV_CACHE_ENV = "SGLANG_USE_HND_KVCACHE"
+UNREADABLE_KV_CACHE_LAYOUTS = {"hnd": HND_KV_CACHE_ENV, "vectorized_5d": "SGLANG_AITER_KV_CACHE_LAYOUT"}
+
+
+def kv_cache_layout_refusal(backend: Optional[str], layout: str) -> str:
+    """The startup error for a KV pool of ``layout``, naming what selected it."""
+    variable = UNREADABLE_KV_CACHE_LAYOUTS[layout]
+    return (
+        f"{ALGORITHM_NAME}: attention backend {backend!r} does not support the {layout.upper()} KV cache layout "
+        f"({variable}): its tree verify reads the KV cache as token slots [slots, heads, head_dim] (NHD); "
+        f"unset {variable}, or use one of SGLang's attention backends"
+    )
+
+
 def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> TreeShape:
     """Startup check of the draft-tree shape against the mask mode and the
     selection pool (ValueError with the offending flag); the shape."""
@@ -166,7 +212,6 @@ def validate_tree(num_steps, topk, num_draft_tokens, mode: TreeMaskMode) -> Tree
         raise ValueError(
             f"{ALGORITHM_NAME}: --speculative-num-draft-tokens={num_draft_tokens} exceeds what tree mask mode "
             f"{mode.name} supports ({max_nodes(mode)} nodes)"
-            + ("; use ANCESTOR_BITMASK for larger trees" if mode == TreeMaskMode.QLEN_ONLY_BITPACKING else "")
         )
     try:
         return TreeShape(num_steps, topk, num_draft_tokens)
@@ -255,13 +300,17 @@ __all__ = [
     "MAX_TREE_NODES",
     "OUR_BACKENDS",
     "OUR_BACKEND_MODES",
+    "SERVABLE_MASK_MODES",
     "TORCH_BACKEND_REFUSED_DEVICES",
     "VARIANT_ENV",
     "BLOCK_DRAFTER_CONFIG_KEY",
     "SGLANG_BLOCK_DRAFTER_ARCHITECTURES",
     "block_drafter_evidence",
     "block_drafter_refusal",
+    "HND_KV_CACHE_ENV",
+    "check_decode_context_parallel_size",
     "check_torch_backend_device",
+    "kv_cache_layout_refusal",
     "detect_variant",
     "device_type",
     "mask_mode_source",

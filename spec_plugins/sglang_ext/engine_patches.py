@@ -32,7 +32,9 @@ Details next to ``verify_tree_sampling_sglang_layout``.
 ``--speculative-tree-mask-mode``: AROUND hooks on ``ServerArgs.add_cli_args``
 (the flag on SGLang's parser) and ``ServerArgs.from_cli_args`` (its value
 carried in the server args, ``config.MASK_MODE_RECORD``), active in every
-process; validated by ``algorithm.resolve_eagle_tree``.
+process; validated by ``algorithm.resolve_eagle_tree``. The same value as an
+``sglang.Engine`` keyword (``speculative_tree_mask_mode=``): Engine's
+``server_args_class`` takes it (``install_engine_keyword``).
 
 The layout translations (SGLang's lists, tuples and flat indices <-> our ops'
 arrays) live in ``layout``; registration with SGLang in ``registration``.
@@ -99,6 +101,9 @@ SEAMS: tuple[Seam, ...] = (
          "AROUND: add --speculative-tree-mask-mode to SGLang's parser"),
     Seam("sglang.srt.server_args:ServerArgs.from_cli_args", "srt/server_args.py",
          "AROUND: carry --speculative-tree-mask-mode in the server args (a bookkeeping attribute)"),
+    Seam("sglang.srt.plugins:load_plugins", "srt/plugins/__init__.py",
+         "AROUND: make speculative_tree_mask_mode an Engine keyword (Engine.server_args_class, "
+         "srt/entrypoints/engine.py, replaced where that module is imported: install_engine_keyword)"),
     # the worker
     Seam("sglang.srt.speculative.eagle_worker_v2:EAGLEWorkerV2", "srt/speculative/eagle_worker_v2.py",
          "subclassed: EagleTreeWorker"),
@@ -348,7 +353,7 @@ def _add_cli_args_hook(original, parser):
     validated where the server arguments are resolved, with the other
     speculative flags, by ``algorithm.resolve_eagle_tree``). In every process,
     whether or not EAGLE_TREE is active: the flag exists wherever SGLang parses."""
-    from .config import MASK_MODE_DEST, MASK_MODE_ENV, MASK_MODE_FLAG, OUR_BACKEND_MODES
+    from .config import MASK_MODE_DEST, MASK_MODE_ENV, MASK_MODE_FLAG, OUR_BACKEND_MODES, SERVABLE_MASK_MODES
 
     result = original(parser)
     if MASK_MODE_FLAG not in parser._option_string_actions:
@@ -359,7 +364,7 @@ def _add_cli_args_hook(original, parser):
             default=None,
             help=(
                 f"{ALGORITHM_NAME} (spec-plugins): the tree mask layout the verify pass builds, "
-                f"{', '.join(m.name for m in TreeMaskMode)} (name, any case, or number); unset: what the "
+                f"{', '.join(m.name for m in SERVABLE_MASK_MODES)} (name, any case, or number); unset: what the "
                 f"verify attention backend reads ({', '.join(m.name for m in OUR_BACKEND_MODES)} for spec_tree*). "
                 f"Wins over ${MASK_MODE_ENV}."
             ),
@@ -378,6 +383,71 @@ def _from_cli_args_hook(original, cls, args):
     if value is not None:
         setattr(server_args, MASK_MODE_RECORD, value)
     return server_args
+
+
+# ------------------------------------ --speculative-tree-mask-mode as an Engine keyword
+
+ENGINE_MODULE = "sglang.srt.entrypoints.engine"
+HOOK_LOAD_PLUGINS = "sglang.srt.plugins.load_plugins"
+
+
+def mask_mode_record_value(value) -> str:
+    """What the server args record for a mask mode given as a keyword: the
+    flag's text (a mode member by its name, a number or a name as given);
+    validated where the server arguments are resolved, as the flag is."""
+    return value.name if isinstance(value, TreeMaskMode) else str(value)
+
+
+def engine_server_args_class(base):
+    """``base`` (SGLang's ServerArgs) as ``sglang.Engine`` builds it from its
+    keywords (``self.server_args_class(**kwargs)``), also taking
+    ``speculative_tree_mask_mode``. ServerArgs is a msgspec Struct whose
+    fields are fixed when SGLang imports it, so a plugin cannot add one; this
+    subclass's metaclass takes the keyword off, builds ``base`` itself (the
+    record SGLang pickles to its processes stays its own class) and records
+    the value where the CLI hook records the flag (``MASK_MODE_RECORD``)."""
+    from .config import MASK_MODE_DEST, MASK_MODE_RECORD
+
+    class TakesTreeMaskMode(type(base)):
+        def __call__(cls, *args, **kwargs):
+            value = kwargs.pop(MASK_MODE_DEST, None)
+            server_args = base(*args, **kwargs)
+            if value is not None:
+                setattr(server_args, MASK_MODE_RECORD, mask_mode_record_value(value))
+            return server_args
+
+    subclass = TakesTreeMaskMode(base.__name__, (base,), {"__module__": base.__module__})
+    subclass.spec_plugins_base = base
+    return subclass
+
+
+def install_engine_keyword() -> bool:
+    """Let ``sglang.Engine(speculative_tree_mask_mode=...)`` through, as
+    every other speculative flag is an Engine keyword: Engine's
+    ``server_args_class`` becomes ``engine_server_args_class`` of it. Only
+    where SGLang's Engine module is already imported: importing it here would
+    load the tokenizer manager and HTTP stack into every scheduler process;
+    ``Engine.__init__`` calls ``load_plugins`` before it builds its
+    ServerArgs, and that call installs it (``_load_plugins_hook``)."""
+    import sys
+
+    module = sys.modules.get(ENGINE_MODULE)
+    engine = getattr(module, "Engine", None)
+    if engine is None:
+        return False
+    current = engine.server_args_class
+    if not hasattr(current, "spec_plugins_base"):
+        engine.server_args_class = engine_server_args_class(current)
+    return True
+
+
+def _load_plugins_hook(original, *args, **kwargs):
+    """``load_plugins`` runs our ``register`` once per process; an Engine
+    built after that (its module imported later) calls it again, a no-op for
+    the plugins, before it builds its ServerArgs: the keyword is installed then."""
+    result = original(*args, **kwargs)
+    install_engine_keyword()
+    return result
 
 
 def _missing_kernel(name: str):
@@ -464,6 +534,7 @@ HOOKS = (
     (HOOK_THRESHOLD_UPDATE, _threshold_update_hook),
     (HOOK_ADD_CLI_ARGS, _add_cli_args_hook),
     (HOOK_FROM_CLI_ARGS, _from_cli_args_hook),
+    (HOOK_LOAD_PLUGINS, _load_plugins_hook),
 )
 
 

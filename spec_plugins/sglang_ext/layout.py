@@ -184,7 +184,7 @@ def verify_tree_greedy_sglang_layout(
 #   ``murmur_hash32(sampling_seed + salt, seq_lens, token)``, the scheme
 #   ``fast_sample`` uses for seeded draft draws, in its own salted stream apart
 #   from the coins (unsalted seed, columns 0..T) and the draft draws.
-# * min-p: applied to target_probs (then renormalised) when the batch needs it,
+# * min-p: applied to target_probs in place (then renormalised) when the batch needs it,
 #   as SGLang's non-speculative sampler does after top-k / top-p.
 # * thresholds: ``threshold_single`` / ``threshold_acc`` != 1 relax acceptance
 #   (lossy); refused at startup and on runtime updates; if one still arrives it
@@ -305,15 +305,33 @@ def top_p_renorm_prob_torch(probs: torch.Tensor, top_p) -> torch.Tensor:
     return _keep_renormalized(probs, pivot)
 
 
-def min_p_renorm_prob_torch(probs: torch.Tensor, min_p) -> torch.Tensor:
-    """Keep probabilities >= min_p * the row's largest (SGLang's sampler:
-    FlashInfer's ``min_p_sampling_from_probs`` and its torch path), renormalise."""
-    rows = probs.shape[0]
-    if rows == 0:
+# Rows min-p renormalises at once: its one temporary, a bool mask of rows x
+# vocab, stays within 16 MB however large the batch (a whole fp32 [rows, V]
+# copy is about 200 MB at bs 48, T 8 and a 128k vocabulary, outside SGLang's
+# memory planner).
+MIN_P_CHUNK_ELEMENTS = 1 << 24
+
+
+def min_p_renorm_prob_(probs: torch.Tensor, min_p) -> torch.Tensor:
+    """In place: keep probabilities >= min_p * the row's largest (SGLang's
+    sampler: FlashInfer's ``min_p_sampling_from_probs`` and its torch path),
+    renormalise; returns ``probs``. probs [rows, V]; min_p scalar or [rows].
+    In place and by row chunks so that the step allocates no [rows, V]
+    tensor: the verify's ``target_probs`` is SGLang's, made for this call
+    and dropped after it (``eagle_sample``). The chunks follow shapes: no
+    host read, capturable."""
+    rows, vocab = probs.shape
+    if rows == 0 or vocab == 0:
         return probs
     min_ps = _per_row(min_p, rows, probs.device, probs.dtype)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
-    return _keep_renormalized(probs, threshold)
+    step = max(1, MIN_P_CHUNK_ELEMENTS // vocab)
+    for start in range(0, rows, step):
+        chunk = probs[start : start + step]
+        threshold = chunk.amax(dim=-1, keepdim=True).mul_(min_ps[start : start + step, None])
+        # not (p >= threshold), rather than p < threshold: a NaN is dropped, as torch.where(p >= t, p, 0) drops it
+        chunk.masked_fill_(chunk.ge(threshold).logical_not_(), 0.0)
+        chunk.div_(chunk.sum(dim=-1, keepdim=True))
+    return probs
 
 
 _warned_thresholds: set = set()
@@ -367,8 +385,8 @@ def verify_tree_sampling_sglang_layout(
         probs = probs.float()
     vocab = probs.shape[-1]
     if context is not None and context.min_ps is not None:
-        min_ps = context.min_ps.reshape(-1).repeat_interleave(nodes)
-        probs = min_p_renorm_prob_torch(probs.reshape(bs * nodes, vocab), min_ps).view(bs, nodes, vocab)
+        probs = probs.contiguous()  # a no-op for SGLang's target_probs: the view below renormalises it in place
+        min_p_renorm_prob_(probs.view(bs * nodes, vocab), context.min_ps.reshape(-1).repeat_interleave(nodes))
     if exponentials is None:
         exponentials = verify_exponentials(
             bs, vocab, probs.device, probs.dtype,

@@ -55,3 +55,5 @@ def register_all() -> None:
     for target, hook in engine_patches.registry_hooks():
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
             HookRegistry.register(target, hook, HookType.AROUND)
+    # Engine.__init__ loads the plugins just before it builds its ServerArgs
+    engine_patches.install_engine_keyword()

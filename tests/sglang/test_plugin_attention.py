@@ -389,8 +389,9 @@ def test_layers_tree_verify_cannot_compute_are_refused_at_startup(published, mon
     [
         (dict(attn_dp_size=2, tp_size=2), "padded verify batches"),
         (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+        (dict(dcp_size=2, tp_size=2), "does not support decode context parallelism \\(--dcp-size 2\\)"),
     ],
-    ids=["dp-attention", "two-batch-overlap"],
+    ids=["dp-attention", "two-batch-overlap", "decode-context-parallel"],
 )
 def test_padded_or_split_verify_batches_are_refused_at_startup(published, tmp_path, monkeypatch, flags, message):
     """Resolution refuses these flags with our backend (test_plugin_registration);
@@ -409,6 +410,25 @@ def test_padded_or_split_verify_batches_are_refused_at_startup(published, tmp_pa
             make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)
     finally:
         _testing.publish(published)  # the module's configuration, for the tests after this one
+
+
+def test_kv_cache_layouts_tree_verify_cannot_read_are_refused_at_startup(published, monkeypatch):
+    """SGLANG_USE_HND_KVCACHE=1: SGLang's own pool, built under the variable,
+    is [pages, heads, page_size, dim], which our verify would read as token
+    slots (a shape error at graph capture, naming nothing). The backend refuses
+    it when it is built, naming the variable (resolution refuses it too,
+    test_plugin_registration); a draft runner never runs target verify."""
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    runner = make_runner()
+    assert runner.token_to_kv_pool.kv_cache_layout == "hnd"
+    assert runner.token_to_kv_pool.k_buffer[0].dim() == 4  # [pages, heads, page_size, dim]
+    monkeypatch.delenv("SGLANG_USE_HND_KVCACHE")
+    message = "'spec_tree' does not support the HND KV cache layout \\(SGLANG_USE_HND_KVCACHE\\)"
+    with pytest.raises(ValueError, match=message):
+        make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK, runner=runner)
+    runner.is_draft_worker = True
+    make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK, runner=runner)
+    make_backend(monkeypatch, TreeMaskMode.ANCESTOR_BITMASK)  # the NHD pool, built without the variable
 
 
 # ------------------------------------- --enable-torch-compile (issue #53, item 3)

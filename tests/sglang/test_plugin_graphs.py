@@ -534,3 +534,31 @@ def test_metadata_glue_graph_prepares_our_verify_eagerly(published, monkeypatch)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     glue = graphs._metadata_glue
     assert glue.disabled and glue.replays == 0  # SGLang prepared ours eagerly after the refused capture
+
+
+def test_sglangs_eagle_draft_runners_have_no_glue_graph_as_the_docs_say():
+    """docs/sglang.md says what SGLANG_ENABLE_METADATA_GLUE_GRAPH does on the
+    draft side: nothing, since SGLang 0.5.23's EAGLE draft runners build no
+    glue graph (the decode runner drops it, the draft-extend runner never
+    makes one). Read from SGLang's sources."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    def source(module):
+        return Path(importlib.util.find_spec(module).origin).read_text()
+
+    draft = ast.parse(source("sglang.srt.speculative.eagle_draft_cuda_graph_runner"))
+    init = next(
+        node for node in ast.walk(draft) if isinstance(node, ast.ClassDef) and node.name == "EAGLEDraftCudaGraphRunner"
+    )
+    init = next(node for node in init.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    glue_writes = [
+        node.value for node in ast.walk(init) if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Attribute) and t.attr == "_metadata_glue" for t in node.targets)
+    ]  # fmt: skip
+    assert glue_writes and all(isinstance(v, ast.Constant) and v.value is None for v in glue_writes)
+    assert "MetadataGlueGraph" not in source("sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner")
+    doc = " ".join((Path(__file__).parents[2] / "docs" / "sglang.md").read_text().split())
+    assert "EAGLE draft runners have no glue graph" in doc
+    assert "keep their glue graphs" not in doc

@@ -52,6 +52,7 @@ def clean_env(monkeypatch):
     # the user's knobs, unset unless a test sets them
     monkeypatch.delenv(config.VARIANT_ENV, raising=False)
     monkeypatch.delenv(config.MASK_MODE_ENV, raising=False)
+    monkeypatch.delenv("SGLANG_USE_HND_KVCACHE", raising=False)
     monkeypatch.delenv(engine_versions.ALLOW_UNTESTED_ENV, raising=False)
 
 
@@ -306,9 +307,106 @@ def test_mask_mode_flag_on_sglangs_parser_wins_over_the_variable(ckpt, monkeypat
         _testing.publish(resolve(ckpt))
 
 
+def engine_server_args(monkeypatch, **kwargs):
+    """The ServerArgs ``sglang.Engine(**kwargs)`` builds: SGLang's own
+    ``Engine.__init__`` (its load_plugins, its ServerArgs construction from
+    the keywords), stopped where it would launch the scheduler processes."""
+    import sglang
+    from sglang.srt.entrypoints import engine
+
+    class Launching(Exception):
+        pass
+
+    def launch(cls, server_args, **launch_kwargs):
+        raise Launching(server_args)
+
+    monkeypatch.setattr(engine.Engine, "_launch_subprocesses", classmethod(launch))
+    monkeypatch.setattr(engine.atexit, "register", lambda function: function)  # no shutdown of an unlaunched Engine
+    with pytest.raises(Launching) as launched:
+        sglang.Engine(**kwargs)
+    return launched.value.args[0]
+
+
+def test_mask_mode_is_an_engine_keyword(ckpt, monkeypatch):
+    """``sglang.Engine(speculative_tree_mask_mode=...)``, as every other
+    speculative flag is an Engine keyword: the value arrives in the ServerArgs
+    Engine builds (SGLang's own class, so what SGLang pickles to its
+    schedulers is unchanged), and from there it is what the flag is: resolved
+    and validated with the speculative flags, carried to the scheduler, read
+    by the worker."""
+    from sglang.srt.server_args import ServerArgs
+
+    from spec_plugins.sglang_ext import worker
+
+    engine_kwargs = dict(
+        model_path=ckpt["target"], speculative_algorithm="EAGLE_TREE", speculative_draft_model_path=ckpt["eagle3_head"],
+        attention_backend=config.BACKEND_TORCH, device="cpu", skip_tokenizer_init=True,
+    )  # fmt: skip
+    monkeypatch.setenv(config.MASK_MODE_ENV, "QLEN_ONLY")  # the keyword wins over it, as the flag does
+    given_as = (("parent_pointer", "parent_pointer"), (config.TreeMaskMode.PARENT_POINTER, "PARENT_POINTER"), (4, "4"))
+    for given, recorded in given_as:
+        server_args = engine_server_args(monkeypatch, **engine_kwargs, speculative_tree_mask_mode=given)
+        assert type(server_args) is ServerArgs
+        assert getattr(server_args, config.MASK_MODE_RECORD) == recorded
+        server_args.resolve_once()
+        _testing.publish(pickle.loads(pickle.dumps(server_args)))  # what a scheduler process is handed
+        assert worker.configured_mask_mode() == config.TreeMaskMode.PARENT_POINTER
+    # not given: the variable, as without the flag
+    server_args = engine_server_args(monkeypatch, **engine_kwargs)
+    assert getattr(server_args, config.MASK_MODE_RECORD, None) is None
+    server_args.resolve_once()
+    _testing.publish(server_args)
+    assert worker.configured_mask_mode() == config.TreeMaskMode.QLEN_ONLY
+    # validated where the flag is, naming it
+    server_args = engine_server_args(monkeypatch, **engine_kwargs, speculative_tree_mask_mode="qlen_only_bitpacking")
+    message = "--speculative-tree-mask-mode QLEN_ONLY_BITPACKING: attention backend 'spec_tree' cannot read"
+    with pytest.raises(ValueError, match=message):
+        server_args.resolve_once()
+    _testing.publish(resolve(ckpt))
+
+
+FIRST_ENGINE_PROCESS = """
+import sys
+from spec_plugins.sglang_ext import _testing
+_testing.install_import_stubs()  # torchvision only; the plugin is not registered by hand
+import sglang
+from sglang.srt.entrypoints import engine
+
+class Launching(Exception):
+    pass
+
+def launch(cls, server_args, **kwargs):
+    raise Launching(server_args)
+
+engine.Engine._launch_subprocesses = classmethod(launch)
+engine.atexit.register = lambda function: function
+try:
+    sglang.Engine(model_path=sys.argv[1], speculative_algorithm="EAGLE_TREE", speculative_draft_model_path=sys.argv[2],
+                  attention_backend="spec_tree", device="cpu", skip_tokenizer_init=True,
+                  speculative_tree_mask_mode="parent_pointer")
+except Launching as launched:
+    print("RECORDED:", getattr(launched.args[0], sys.argv[3], None))
+"""
+
+
+def test_mask_mode_is_a_keyword_of_the_first_engine_of_a_process(ckpt):
+    """The usual case: a fresh interpreter whose first ``sglang.Engine(...)``
+    loads the plugins itself (SGLang's entry points), just before it builds
+    its ServerArgs from the keywords."""
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_ENGINE_PROCESS, ckpt["target"], ckpt["eagle3_head"], config.MASK_MODE_RECORD],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "RECORDED: parent_pointer" in out.stdout, (out.stdout, out.stderr[-3000:])
+
+
 MASK_MODE_FLAG_ERRORS = [
     pytest.param(("BOGUS",), {}, "--speculative-tree-mask-mode 'BOGUS': unknown tree mask mode 'BOGUS'; expected one "
-                 "of: FULL_MASK, QLEN_ONLY, QLEN_ONLY_BITPACKING, ANCESTOR_BITMASK, PARENT_POINTER", id="unknown"),
+                 "of: FULL_MASK, QLEN_ONLY, ANCESTOR_BITMASK, PARENT_POINTER", id="unknown"),
+    pytest.param(("qlen_only_bitpacking",), {}, "--speculative-tree-mask-mode QLEN_ONLY_BITPACKING: attention backend "
+                 "'spec_tree' cannot read", id="bitpacking-has-no-reader"),
+    pytest.param(("2",), {"backend": "triton"}, "--speculative-tree-mask-mode QLEN_ONLY_BITPACKING: attention backend "
+                 "'triton' cannot read", id="bitpacking-by-number"),
     pytest.param(("full_mask",), {}, "--speculative-tree-mask-mode FULL_MASK: attention backend 'spec_tree' cannot "
                  "read this tree mask; it reads ANCESTOR_BITMASK, PARENT_POINTER, QLEN_ONLY", id="backend-cannot-read"),
     pytest.param(("ANCESTOR_BITMASK",), {"backend": "triton"}, "--speculative-tree-mask-mode ANCESTOR_BITMASK: "
@@ -324,6 +422,30 @@ def test_mask_mode_flag_is_validated_at_resolution(ckpt, monkeypatch, value, kwa
     monkeypatch.setenv(config.MASK_MODE_ENV, "PARENT_POINTER")  # valid: the error is the flag's
     with pytest.raises(ValueError, match=re.escape(message)):
         parse(ckpt, config.MASK_MODE_FLAG, *value, **kwargs)
+
+
+MASK_MODE_READERS = (config.BACKEND_TORCH, config.BACKEND_TRITON, "triton", "flashinfer", "intel_amx")
+
+
+def test_mask_mode_flag_offers_only_modes_a_backend_reads():
+    """The flag's help on SGLang's parser lists exactly the modes some verify
+    backend reads: QLEN_ONLY_BITPACKING has no reader in SGLang 0.5.23, so
+    offering it offers a startup failure."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    help_text = parser._option_string_actions[config.MASK_MODE_FLAG].help
+    named = [name for name in re.findall(r"\b[A-Z_]+\b", help_text) if name in config.TreeMaskMode.__members__]
+    offered = list(dict.fromkeys(named))  # the help also says which of them ours read
+    read = [m.name for m in config.TreeMaskMode if any(m in config.readable_modes(b) for b in MASK_MODE_READERS)]
+    assert offered == read == ["FULL_MASK", "QLEN_ONLY", "ANCESTOR_BITMASK", "PARENT_POINTER"], help_text
+    for name in offered:
+        mode = config.TreeMaskMode[name]
+        readers = [b for b in MASK_MODE_READERS if mode in config.readable_modes(b)]
+        assert readers and all(config.resolve_mask_mode(mode, b, config.MASK_MODE_FLAG) == mode for b in readers)
 
 
 # ------------------------------------------------------------- resolution
@@ -447,6 +569,16 @@ STARTUP_ERRORS = [
                  id="dp-attention-deprecated-flag"),
     pytest.param({}, {"enable_two_batch_overlap": True}, "does not support --enable-two-batch-overlap",
                  id="two-batch-overlap"),
+    # decode context parallelism: each rank holds part of every context, our verify reads it whole
+    pytest.param({}, {"attention_backend": config.BACKEND_TRITON, "device": "cuda", "dcp_size": 2, "tp_size": 2},
+                 "'spec_tree_triton' does not support decode context parallelism \\(--dcp-size 2\\)", id="dcp"),
+    pytest.param({}, {"dcp_size": 2, "tp_size": 2}, "'spec_tree' does not support decode context parallelism",
+                 id="dcp-spec-tree"),
+    # an HND pool is [pages, heads, page_size, dim]; our verify reads token slots
+    pytest.param({"SGLANG_USE_HND_KVCACHE": "1"}, {"attention_backend": config.BACKEND_TRITON, "device": "cuda"},
+                 "'spec_tree_triton' does not support the HND KV cache layout \\(SGLANG_USE_HND_KVCACHE\\)",
+                 id="hnd-kv-cache"),
+    pytest.param({"SGLANG_USE_HND_KVCACHE": "true"}, {}, "unset SGLANG_USE_HND_KVCACHE", id="hnd-kv-cache-spec-tree"),
     # SGLang's own EAGLE-family check (_handle_eagle_family), applied to EAGLE_TREE
     pytest.param({}, {"page_size": 4}, "speculative_eagle_topk > 1 with page_size > 1 is only supported on",
                  id="sglang-eagle-check-page-size"),
@@ -461,11 +593,15 @@ def test_clear_startup_errors(ckpt, monkeypatch, env, kwargs, message):
         resolve(ckpt, **kwargs)
 
 
-def test_sglang_backends_keep_dp_attention_and_two_batch_overlap(ckpt):
+def test_sglang_backends_keep_dp_attention_and_two_batch_overlap(ckpt, monkeypatch):
     """They build SGLang's FULL_MASK, which SGLang itself pads and splits."""
     view = resolved_view(resolve(ckpt, attention_backend="triton", attn_dp_size=2, tp_size=2))
     assert view.attn_dp_size == 2
     assert resolved_view(resolve(ckpt, attention_backend="triton", enable_two_batch_overlap=True)).enable_two_batch_overlap
+    # and decode context parallelism and the HND KV cache are SGLang's own business there
+    assert resolved_view(resolve(ckpt, attention_backend="triton", dcp_size=2, tp_size=2)).dcp_size == 2
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    resolve(ckpt, attention_backend="triton")
 
 
 def test_other_algorithms_are_untouched(ckpt, monkeypatch):

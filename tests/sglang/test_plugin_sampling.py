@@ -611,6 +611,65 @@ def test_layout_equals_sglang_kernel_on_one_hot_targets():
     assert accepted_deep > 10
 
 
+def peak_cpu_bytes(function) -> int:
+    """The most bytes ``function`` holds at once beyond what it was handed, by
+    torch.profiler's memory records (each op's own allocations and frees, in
+    the order the ops started)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        function()
+    held = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+def min_p_reference(probs, min_ps):
+    """Min-p as SGLang's sampler applies it, out of place."""
+    kept = torch.where(probs >= probs.max(dim=-1, keepdim=True).values * min_ps[:, None], probs, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 5], ids=["one-chunk", "chunks-of-5-rows"])
+def test_min_p_renormalises_sglangs_target_probs_in_place(monkeypatch, chunk_rows):
+    """With min-p the sampled verify renormalises ``target_probs`` (SGLang's
+    buffer, made for this call and dropped after it) in place: the same
+    probabilities, bit for bit, as the out-of-place formula and the same
+    outputs, without an fp32 [bs * T, V] copy SGLang's memory planner never
+    saw (about 0.2 GB at bs 48, T 8, 128k vocabulary): what min-p adds to the
+    call's peak stays within one bool mask of the rows."""
+    if chunk_rows is not None:
+        monkeypatch.setattr(layout, "MIN_P_CHUNK_ELEMENTS", chunk_rows * 4096, raising=False)
+    gen = torch.Generator().manual_seed(6)
+    bs, vocab = 8, 4096
+    rows = bs * NODES
+    candidates, r_index, r_next, r_sib = random_tree(gen, bs)
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    min_ps = torch.rand(bs, generator=gen) * 0.3
+    coins, final = torch.rand(bs, NODES, generator=gen), torch.rand(bs, generator=gen)
+    exponentials = torch.empty(bs, vocab).exponential_(generator=gen)
+    draft_probs = torch.zeros(bs, NODES, vocab)
+    expected_probs = min_p_reference(torch.softmax(logits, dim=-1), min_ps.repeat_interleave(NODES))
+
+    def verify(probs, context, outputs):
+        layout.verify_tree_sampling_sglang_layout(
+            *outputs, candidates, r_index, r_next, r_sib, coins, final, probs, draft_probs, impl="torch",
+            exponentials=exponentials, context=context,
+        )  # fmt: skip
+
+    target_probs = torch.softmax(logits, dim=-1).view(bs, NODES, vocab)  # what eagle_sample hands the kernel
+    ours = sglang_outputs(bs, NODES, STEPS)
+    with_min_p = peak_cpu_bytes(lambda: verify(target_probs, layout.VerifyContext(None, min_ps=min_ps), ours))
+    reference, renormalised = sglang_outputs(bs, NODES, STEPS), expected_probs.view(bs, NODES, vocab).clone()
+    without_min_p = peak_cpu_bytes(lambda: verify(renormalised, None, reference))
+    assert with_min_p - without_min_p <= rows * vocab, (with_min_p, without_min_p, rows * vocab * 4)
+    assert torch.equal(target_probs.view(rows, vocab), expected_probs)
+    for a, b in zip(ours, reference):
+        assert torch.equal(a, b)
+
+
 def test_layout_is_our_op_mapped_through_retrieve_index():
     """Random targets, randoms given: the drop-in's outputs are
     ``verify_tree_sampling``'s, node indices mapped through a (shuffled)
