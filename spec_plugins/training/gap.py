@@ -1,4 +1,4 @@
-"""Where a trained head's remaining acceptance gap comes from (issue #15).
+"""Where a trained head's remaining acceptance gap comes from.
 
     python -m spec_plugins.training.gap --head spec_plugins/heads/smollm2-135m-eagle3
 
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", type=Path, required=True, help="a head folder with its training.json")
     ap.add_argument("--sequences", type=Path, default=SHIPPED_SEQUENCES,
-                    help="the head's training sequences (.jsonl or .jsonl.gz; default: the shipped #15 data)")
+                    help="the head's training sequences (.jsonl or .jsonl.gz; default: the shipped training sequences)")
     ap.add_argument("--unroll", type=int, default=5)
     ap.add_argument("--tokens-per-batch", type=int, default=2048)
     ap.add_argument("--train-sample", type=int, default=None,

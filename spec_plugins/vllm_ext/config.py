@@ -227,7 +227,7 @@ def prepare_engine_args(engine_args) -> TreeSettings | None:
         if expects_v2_runner():  # V2's tree speculator subclasses vLLM's EagleSpeculator, not its MTPSpeculator
             raise TreeConfigError(
                 f"spec_tree with speculative_config method={spec['method']!r} (the target's MTP layer as the "
-                "drafter) is served on vLLM's V1 model runner only (issue #51); set VLLM_USE_V2_MODEL_RUNNER=0")
+                "drafter) is served on vLLM's V1 model runner only; set VLLM_USE_V2_MODEL_RUNNER=0")
     elif spec.get("method") not in (None, *VLLM_METHODS):
         raise TreeConfigError(
             f"spec_tree needs speculative_config method 'eagle' or 'eagle3' (an EAGLE-1 or EAGLE-3 head), or "

@@ -56,23 +56,24 @@ SEAMS: tuple[Seam, ...] = (
          "backend=spec_cfg.attention_backend", "the head's config takes speculative_config.attention_backend, not "
          "the target's: why prepare_gpu_engine_args sets it", platform="cuda"),
     Seam(ARGS, "compilation_config", "field", why="cudagraph_mode pinned on CUDA", platform="cuda", stage=REG),
-    Seam("vllm.config:CompilationConfig", "cudagraph_mode", "field", why="PIECEWISE pinned on V1, vLLM's default "
-         "kept on V2 (narrowed by vLLM for the tree backend)", platform="cuda", stage=REG),
-    Seam("vllm.config:CUDAGraphMode", "PIECEWISE", "member", why="the CUDA graph mode tree mode pins",
+    Seam("vllm.config:CompilationConfig", "cudagraph_mode", "field", why="PIECEWISE pinned on V1, vLLM's resolution "
+         "kept on V2 (against the tree backend's UNIFORM_BATCH)", platform="cuda", stage=REG),
+    Seam("vllm.config:CUDAGraphMode", "PIECEWISE", "member", why="the mode the V1 tree runner pins when unset",
          platform="cuda", stage=REG),
-    Seam("vllm.config:CUDAGraphMode", "NONE", "member", why="the other mode tree mode accepts", platform="cuda",
+    Seam("vllm.config:CUDAGraphMode", "NONE", "member", why="the other mode the V1 tree runner accepts", platform="cuda",
          stage=REG),
     Seam("vllm.envs", "VLLM_USE_V2_MODEL_RUNNER", "env", why="which runner vLLM will build (runner_choice.expects_v2_runner): "
          "async scheduling stays on with V2, off with V1", stage=REG),
     Seam("vllm.triton_utils", "HAS_TRITON", "global", why="vLLM builds the V2 runner only where Triton runs "
          "(runner_choice.expects_v2_runner)", stage=REG),
-    Seam("vllm.config:CUDAGraphMode", "FULL", "member", why="refused by name in tree mode", platform="cuda",
-         stage=REG),
-    Seam("vllm.config:CUDAGraphMode", "FULL_DECODE_ONLY", "member", why="refused by name in tree mode",
+    Seam("vllm.config:CUDAGraphMode", "FULL", "member", why="refused by name on the V1 tree runner",
+         platform="cuda", stage=REG),
+    Seam("vllm.config:CUDAGraphMode", "FULL_DECODE_ONLY", "member", why="refused by name on the V1 tree runner",
          platform="cuda", stage=REG),
     Seam("vllm.config:CompilationConfig", "resolve_cudagraph_mode_and_sizes", "method",
          "min_cg_support, min_cg_attn_backend, uniform_decode_query_len, use_v2_model_runner, ...",
-         "narrows FULL_AND_PIECEWISE to PIECEWISE for the tree backend's declared NEVER (both runners call it)",
+         "resolves the mode against the tree backend's declared UNIFORM_BATCH: on V2 its default FULL_AND_PIECEWISE "
+         "stays (uniform tree batches replay FULL graphs, mixed ones run piecewise; both runners call it)",
          platform="cuda"),
     Seam("vllm.platforms.interface:Platform", "is_cpu", "method", "", "picks the CPU or GPU tree worker", stage=REG),
     Seam("vllm.v1.sample.rejection_sampler", "MAX_SPEC_LEN", "const", "128", "config.MAX_SPEC_LEN mirrors it"),
