@@ -89,7 +89,7 @@ def verify_step(states, root_position: int, logits: torch.Tensor):
     verifier = TreeVerifierV2(runner, V2RejectionSampler())
     verifier._sampling_rows = lambda logits, input_batch: (lambda requests, requests_np, rows: logits[rows])
     # batch row r holds request state 3 - r (V2's idx_mapping: batch row -> request state)
-    input_batch = SimpleNamespace(idx_mapping=torch.tensor([3, 2, 1, 0]))
+    input_batch = SimpleNamespace(idx_mapping=torch.tensor([3, 2, 1, 0], dtype=torch.int32))
     out = verifier(logits, input_batch)
     assert step.verified and runner.tree_stats.trees_verified == batch
     return out.sampled_token_ids[BATCH_ROWS], out.num_sampled[BATCH_ROWS]
