@@ -197,9 +197,10 @@ def tree_lookahead_tokens(vllm_config, settings: TreeSettings) -> int:
     p the last accepted position (``prepare_dflash_inputs``; V1's
     ``copy_and_expand_dflash_inputs`` alike). A tree of depth <= min(L, T - 1)
     accepts at most that many drafts, so p <= c + min(L, T - 1) for a step
-    verifying positions c .. c + T - 1, for which vLLM allocated c + T - 1 +
-    lookahead. Fewer slots and DFlash's block lands in block-table entries past
-    the request's blocks: stale ids of whichever request used that row before.
+    verifying positions c .. c + T - 1, for which vLLM allocates slots through
+    position c + T - 1 + lookahead. Fewer, and DFlash's block lands in
+    block-table entries past the request's blocks: stale ids of whichever
+    request used that row before.
     At least 1: vLLM 0.33 divides max_num_batched_tokens by it for DFlash
     (``VllmConfig._set_max_num_scheduled_tokens``)."""
     spec = getattr(vllm_config, "speculative_config", None)
