@@ -61,7 +61,6 @@ def allocated_blocks(vllm_config, T: int, prompt_len: int) -> tuple[list[int], i
     its T slots (a prefill of ``prompt_len`` tokens, one sampled token, T - 1 drafts)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine import EngineCoreRequest  # noqa: F401  (vLLM's request path imports it)
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
@@ -71,6 +70,7 @@ def allocated_blocks(vllm_config, T: int, prompt_len: int) -> tuple[list[int], i
     kv_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                               kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer"], kv_cache_spec=spec)])
     vllm_config.cache_config.num_gpu_blocks = kv_config.num_blocks  # what the engine core sets after profiling
+    # the synchronous scheduler: a step is allocated against the tokens computed so far, no in-flight step's
     scheduler = Scheduler(vllm_config, kv_config, StructuredOutputManager(vllm_config), block_size=BLOCK)
     params = SamplingParams(temperature=0, max_tokens=64)
     params.update_from_generation_config({}, None)
