@@ -70,7 +70,7 @@ def expand_pool(first_logits: torch.Tensor, first_hidden: torch.Tensor, draft_to
     def to_target(draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if draft_to_target is None else draft_to_target[draft_ids]
 
-    top_p, top_i = first_logits.float().softmax(-1).topk(K, dim=-1)  # [R, K]
+    top_p, top_i = softmax_topk(first_logits, K)  # [R, K]
     pool_scores, pool_tokens = [top_p], [to_target(top_i)]
     parents = [torch.arange(-1, K, device=device).expand(R, K + 1)]
     surv_scores, surv_tokens = top_p, pool_tokens[0]
@@ -106,7 +106,7 @@ def grow_level(logits: torch.Tensor, hidden: torch.Tensor, surv_scores: torch.Te
     R, K, H = hidden.shape
     own = torch.eye(K, dtype=torch.bool, device=logits.device).expand(R, K, K)
     row_anc = torch.cat([surv_anc, own], -1)  # each frontier node's new entry: its ancestors plus itself
-    child_p, child_i = logits.float().softmax(-1).topk(K, dim=-1)  # [R, K survivors, K children]
+    child_p, child_i = softmax_topk(logits, K)  # [R, K survivors, K children]
     expand = (surv_scores[..., None] * child_p).flatten(1)  # [R, K*K], survivor-major
     child_tokens = (child_i if draft_to_target is None else draft_to_target[child_i]).flatten(1)
     if not keep:
@@ -166,11 +166,39 @@ def chain_trees(pool_tokens: torch.Tensor, num_nodes: int) -> DraftTrees:
                       top1=torch.ones(R, num_nodes, dtype=torch.bool, device=pool_tokens.device))
 
 
-# Elements of the float32 copy that ``block_topk``'s log-sum-exp makes at a time
-# (64 MiB): a whole [R, L, V] copy is ~0.6 GB at R x L = 1024 rows of a 152k
-# vocabulary, memory V1's profile run never sees (vLLM's DFlash dummy_run stops
-# after the drafter's forward). A chunk is at least one row, whatever V.
-LOGSUMEXP_CHUNK_ELEMENTS = 1 << 24
+# Elements of a float32 temporary over a drafter's logits at a time (64 MiB;
+# ``row_chunks``): a whole float32 copy of [R, L, V] block logits is ~0.6 GB at
+# R x L = 1024 rows of a 152k vocabulary, the draft levels' softmax over
+# [max_num_seqs x K, V] ~1 GB at 1024 x 4 of a 32k one, memory neither V1's nor
+# V2's profile run sees (vLLM's DFlash dummy_run stops after the drafter's
+# forward; V2's profiles its EAGLE chain). A chunk is at least one row, whatever V.
+FLOAT32_CHUNK_ELEMENTS = 1 << 24
+
+
+def row_chunks(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """rows [N, V] as consecutive views of at most max(1, FLOAT32_CHUNK_ELEMENTS // V)
+    rows, a whole multiple of 16 rows where that is at least 16: every chunk then
+    starts as aligned as ``rows`` does (CUDA's softmax picks its kernel by the
+    input's alignment, and the chunked result must equal the whole one). From
+    the shape alone: no host read, capturable, traceable with fullgraph=True."""
+    per_chunk = max(1, FLOAT32_CHUNK_ELEMENTS // rows.shape[-1])
+    if per_chunk >= 16:
+        per_chunk -= per_chunk % 16
+    return rows.split(per_chunk)
+
+
+def softmax_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., V] -> ``logits.float().softmax(-1).topk(topk)`` (probabilities [..., K]
+    float32, ids [..., K] int64), computed over ``row_chunks``: the float32
+    softmax of a chunk of rows at a time, never of all of them. Each row's
+    softmax and top-K read that row only, so the result is the unchunked one
+    bit for bit (tested on the CPU). CUDA's top-K picks its algorithm by the
+    number of rows too: exactly tied probabilities may order differently per
+    chunk there, as they may across batch sizes without chunks."""
+    vocab = logits.shape[-1]
+    parts = [chunk.float().softmax(-1).topk(topk, dim=-1) for chunk in row_chunks(logits.reshape(-1, vocab))]
+    shape = (*logits.shape[:-1], topk)
+    return torch.cat([p.values for p in parts]).view(shape), torch.cat([p.indices for p in parts]).view(shape)
 
 
 def block_topk(block_logits: torch.Tensor, topk: int,
@@ -187,8 +215,7 @@ def block_topk(block_logits: torch.Tensor, topk: int,
     where two float32 log-probs would round to a tie; exact ties in the
     logits may order either way), and each row's
     log-sum-exp in float32 over a bounded number of rows at a time
-    (``LOGSUMEXP_CHUNK_ELEMENTS``). The chunks follow from the shape alone:
-    no host read, capturable, traceable with fullgraph=True."""
+    (``row_chunks``)."""
     top, ids = block_logits.topk(topk, dim=-1)
     values = top.float() - row_logsumexp(block_logits).unsqueeze(-1)
     return values, (ids if draft_to_target is None else draft_to_target[ids])
@@ -196,13 +223,12 @@ def block_topk(block_logits: torch.Tensor, topk: int,
 
 def row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """[..., V] -> [...] float32 log-sum-exp of each row of ``logits.float()``,
-    float32 temporaries of at most max(1, LOGSUMEXP_CHUNK_ELEMENTS // V) rows
-    at a time. A row holding +inf, or only -inf, gives NaN, as its log-softmax
-    would (so ``block_topk`` equals the formula it replaced there too)."""
+    float32 temporaries of one of ``row_chunks`` at a time. A row holding +inf,
+    or only -inf, gives NaN, as its log-softmax would (so ``block_topk``
+    equals the formula it replaced there too)."""
     vocab = logits.shape[-1]
-    rows = logits.reshape(-1, vocab)
     parts = []
-    for chunk in rows.split(max(1, LOGSUMEXP_CHUNK_ELEMENTS // vocab)):
+    for chunk in row_chunks(logits.reshape(-1, vocab)):
         peak = chunk.amax(-1, keepdim=True).float()  # exact in the logits' dtype: one of the row's values
         # promoted to float32 by the subtraction (a new tensor: the logits stay untouched), then exp in place
         total = torch.sub(chunk, peak).exp_().sum(-1)

@@ -46,7 +46,7 @@ def drafter_logits(R: int, L: int, V: int, dtype: torch.dtype, seed: int) -> tor
 def test_equals_the_float32_log_softmax_topk(dtype, rows_per_chunk, monkeypatch):
     R, L, V, K = 5, 7, 3001, 8  # 35 rows: chunks of 4 leave a short last one
     if rows_per_chunk is not None:
-        monkeypatch.setattr(tree_drafting, "LOGSUMEXP_CHUNK_ELEMENTS", rows_per_chunk * V + V // 2)
+        monkeypatch.setattr(tree_drafting, "FLOAT32_CHUNK_ELEMENTS", rows_per_chunk * V + V // 2)
     logits = drafter_logits(R, L, V, dtype, seed=7)
     before = logits.clone()
     values, tokens = block_topk(logits, K)
@@ -114,7 +114,7 @@ def test_no_float32_copy_of_the_whole_block(dtype, monkeypatch):
     the float32 subtraction (a GPU casts in the kernel), plus the small
     outputs; one float32 [R, L, V] alone is 8x that bound."""
     R, L, V, K = 4, 8, 5000, 8
-    monkeypatch.setattr(tree_drafting, "LOGSUMEXP_CHUNK_ELEMENTS", 2 * V)
+    monkeypatch.setattr(tree_drafting, "FLOAT32_CHUNK_ELEMENTS", 2 * V)
     logits = drafter_logits(R, L, V, dtype, seed=1)
     block_topk(logits, K)  # first-call allocations (thread pools, caches) are not the op's
     chunk_bytes, whole_bytes = 2 * V * 4, R * L * V * 4

@@ -168,3 +168,75 @@ def test_chain_selection_equals_the_tie_safe_ranking(shape):
     assert torch.equal(fast.tokens, tokens.gather(1, selected))
     assert torch.equal(fast.parents, stk.node_parents(selected, parent_list, K))
     assert fast.top1.all() and fast.top1.shape == (R, T)
+
+
+# ---------------------------------------------------------------- draft levels' float32 softmax
+
+
+def _level_inputs(R: int, K: int, V: int, H: int, dtype: torch.dtype, seed: int):
+    """One draft level's inputs: logits [R, K, V] (with duplicated values, so that
+    probabilities tie, and a masked part of the vocabulary), hidden, path scores, ancestors."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(R, K, V, generator=gen) * 4).round() / 4  # many exact ties among the top
+    logits[0, 1, V // 2:] = -torch.inf
+    hidden, scores = torch.randn(R, K, H, generator=gen), torch.rand(R, K, generator=gen)
+    return logits.to(dtype), hidden, scores, torch.rand(R, K, 2 * K, generator=gen) > 0.5
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_draft_levels_softmax_in_chunks_is_the_whole_softmax_bit_for_bit(dtype, rows_per_chunk, monkeypatch):
+    """The draft levels' ``softmax(-1).topk(K)`` in float32, taken over bounded chunks
+    of rows (``tree_drafting.softmax_topk``): the same probabilities and ids as over
+    all rows at once, bit for bit, ties included; so the pools too (37 rows: chunks
+    that leave a short last one)."""
+    from spec_plugins import tree_drafting
+    from spec_plugins.tree_drafting import grow_level, softmax_topk
+
+    R, K, V, H = 37, 4, 3001, 6
+    logits, hidden, scores, anc = _level_inputs(R, K, V, H, dtype, seed=rows_per_chunk)
+    whole = logits.float().softmax(-1).topk(K, dim=-1)
+    whole_level = grow_level(logits, hidden, scores, anc, None, 2, keep=True)
+    first_whole = expand_pool(logits[:, 0], hidden[:, 0], None, 3, K, _random_step(V, H, 3))
+    monkeypatch.setattr(tree_drafting, "FLOAT32_CHUNK_ELEMENTS", rows_per_chunk * V + V // 2)
+    assert len(tree_drafting.row_chunks(logits.view(-1, V))) == -(-R * K // rows_per_chunk)
+    probs, ids = softmax_topk(logits, K)
+    assert torch.equal(probs, whole.values) and torch.equal(ids, whole.indices)
+    for a, b in zip(torch.utils._pytree.tree_leaves(grow_level(logits, hidden, scores, anc, None, 2, keep=True)),
+                    torch.utils._pytree.tree_leaves(whole_level)):
+        assert torch.equal(a, b)
+    first = expand_pool(logits[:, 0], hidden[:, 0], None, 3, K, _random_step(V, H, 3))
+    for a, b in zip(first, first_whole):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draft_level_holds_no_float32_softmax_of_all_its_rows(dtype, monkeypatch):
+    """V2's memory profile runs vLLM's chain, not the tree's draft levels: a level's
+    float32 softmax over all R x K rows (~1 GB at 1024 x 4 rows of a 32k vocabulary)
+    would be memory the engine never planned for. At chunks of 2 rows of a
+    5000-token vocabulary, the CPU allocator's peak while a level's top-K runs
+    (``grow_level``, and ``expand_pool``'s first level over R rows) is a chunk's
+    float32 softmax, or two where a bf16 chunk is first cast, plus small
+    tensors; one float32 softmax of the rows is 8x that bound (same measure as
+    tests/test_block_topk.py)."""
+    from test_block_topk import allocator_peak
+
+    from spec_plugins import tree_drafting
+    from spec_plugins.tree_drafting import grow_level
+
+    R, K, V, H = 8, 4, 5000, 6
+    monkeypatch.setattr(tree_drafting, "FLOAT32_CHUNK_ELEMENTS", 2 * V, raising=False)
+    logits, hidden, scores, anc = _level_inputs(R, K, V, H, dtype, seed=1)
+    chunk_bytes = 2 * V * 4
+
+    def level():
+        grow_level(logits, hidden, scores, anc, None, 2, keep=True)
+
+    def first_level():  # one level: the root's children only, no head step
+        expand_pool(logits[:, 0], hidden[:, 0], None, 1, K, None)
+
+    for run, rows in ((level, R * K), (first_level, R)):
+        run()  # first-call allocations (thread pools, caches) are not the op's
+        peak = allocator_peak(run)
+        assert peak <= 2 * chunk_bytes + 16 * 1024 < rows * V * 4, (run.__name__, peak, chunk_bytes, rows * V * 4)

@@ -34,7 +34,8 @@ def compiled(fn):
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_a_draft_level_compiles_without_graph_breaks(keep):
+def test_a_draft_level_compiles_without_graph_breaks(keep, monkeypatch):
+    monkeypatch.setattr(tree_drafting, "FLOAT32_CHUNK_ELEMENTS", 5 * V)  # its float32 softmax: 12 rows in 5, 5, 2
     g = torch.Generator().manual_seed(0)
     logits, hidden = torch.randn(R, K, V, generator=g), torch.randn(R, K, H, generator=g)
     scores, anc = torch.rand(R, K, generator=g), torch.rand(R, K, 2 * K, generator=g) > 0.5
@@ -60,7 +61,7 @@ def test_tree_selection_compiles_without_graph_breaks():
 
 def test_the_ddtree_draft_tail_compiles_without_graph_breaks(monkeypatch):
     L, N = 4, 10
-    monkeypatch.setattr(tree_drafting, "LOGSUMEXP_CHUNK_ELEMENTS", 5 * V)  # 12 rows: chunks of 5, 5 and 2
+    monkeypatch.setattr(tree_drafting, "FLOAT32_CHUNK_ELEMENTS", 5 * V)  # 12 rows: chunks of 5, 5 and 2
     logits = torch.randn(R, L, V, generator=torch.Generator().manual_seed(4)).bfloat16()
 
     def tail(logits):

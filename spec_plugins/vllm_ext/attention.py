@@ -215,10 +215,17 @@ class UniformTrees:
         self.mask[:batch] = masks.reshape(batch, -1)
 
     def step_trees(self, attn_metadata, num_tokens: int, max_context: int | None) -> VerifyTrees:
-        """The trees of a uniform batch of ``num_tokens`` query rows (B = num_tokens / nodes
-        requests), from persistent buffers only; max_context: a host bound on the
-        contexts, None for the block table's reach (a shape: what a graph captures)."""
-        batch, nodes = num_tokens // self.nodes, self.nodes
+        """The trees of a uniform batch of ``num_tokens`` query rows, from persistent
+        buffers only; max_context: a host bound on the contexts, None for the block
+        table's reach (a shape: what a graph captures).
+
+        B, the batch's requests, is the metadata's request count (the length of
+        ``seq_lens``, a host shape), at most num_tokens / nodes: a batch run
+        piecewise pads its tokens to a graph size but not its requests (V2's
+        PIECEWISE mode), so rows past B * nodes are padding, no tree's, and
+        the block table and seq_lens hold B rows only."""
+        nodes = self.nodes
+        batch = min(num_tokens // nodes, attn_metadata.seq_lens.shape[0])
         context = (attn_metadata.seq_lens[:batch].to(torch.int64) - nodes).clamp(min=0)
         rows = torch.arange(batch, dtype=torch.int64, device=context.device)
         return VerifyTrees(mode=self.mode, groups={nodes: (rows, rows * nodes, context, self.batch_mask(batch))},

@@ -15,11 +15,12 @@ EngineArgs.from_cli_args               flags -> speculative_config + additional_
 EngineArgs.create_engine_config        fill num_speculative_tokens, worker_cls,
                                        async_scheduling; refuse unsupported options
                                        before and after vLLM builds its config
-VllmConfig.num_lookahead_tokens        0 in tree mode: vLLM reserves num_spec_tokens
-  (property)                           KV slots past each request's verify rows for
-                                       its chain drafter's writes; the tree drafter
-                                       keeps branch KV in a scratch tensor, so the
-                                       slots would only shrink the cache. Can go when
+VllmConfig.num_lookahead_tokens        the tree's own in tree mode
+  (property)                           (``config.tree_lookahead_tokens``): vLLM sizes
+                                       it for its chain drafter's writes past each
+                                       request's verify rows; EAGLE trees keep branch
+                                       KV in a scratch tensor (0), DDTree's DFlash
+                                       block needs a tree-dependent count. Can go when
                                        vLLM asks the proposer for its lookahead.
 SamplingParams._validate_spec_decode   skipped for tree engines (their
                                        SpeculativeConfig is marked by
@@ -94,8 +95,9 @@ def apply() -> None:
     def make_num_lookahead_tokens(prop: property):
         @functools.wraps(prop.fget)
         def num_lookahead_tokens(self):
-            if tree_config.settings_from_vllm_config(self) is not None:
-                return 0
+            settings = tree_config.settings_from_vllm_config(self)
+            if settings is not None:
+                return tree_config.tree_lookahead_tokens(self, settings)
             return prop.fget(self)
 
         return property(num_lookahead_tokens)

@@ -375,8 +375,8 @@ SEAMS: tuple[Seam, ...] = (
          "slot_mapping, isa, k_scale, v_scale, kv_cache_dtype", "probes the CPU K/V layout (AMX's tiles included)",
          platform="cpu"),
     # --- tree drafting on vLLM's head (proposer.py) and single-pass verify (attention.py) ------------------------
-    Seam("vllm.config:VllmConfig", "num_lookahead_tokens", "attr", why="patched to 0 in tree mode: the tree "
-         "drafter writes no KV past the verify rows", stage=REG),
+    Seam("vllm.config:VllmConfig", "num_lookahead_tokens", "attr", why="patched in tree mode: 0 for EAGLE trees "
+         "(no drafter KV past the verify rows), DFlash's query block for DDTree", stage=REG),
     Seam("vllm.sampling_params:SamplingParams", "_validate_spec_decode", "method", "speculative_config",
          "patched: skipped for tree engines, which serve min_p / logit_bias requests", stage=REG),
     Seam("vllm.forward_context", "set_forward_context", "method", "attn_metadata, vllm_config, num_tokens, "
