@@ -48,6 +48,13 @@ def tree_cases():
     return cases
 
 
+def case_inputs(case, batch: int):
+    """(python RNG, torch generator, parents [batch, T]) of a tree case, all from its seed."""
+    seed, topk, num_steps, flavor = case
+    rng = random.Random(seed)
+    return rng, torch.Generator().manual_seed(seed), eagle_trees(rng, batch, topk, num_steps, flavor)
+
+
 def path(parents: list[int], node: int) -> list[int]:
     nodes = [node]
     while parents[nodes[-1]] >= 0:
@@ -128,12 +135,9 @@ def oracle_conv(x, parents, conv_state, weight, bias):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", tree_cases())
 def test_gated_delta_rule_equals_path_replay(case, impl):
-    seed, topk, num_steps, flavor = case
-    rng = random.Random(seed)
-    parents = eagle_trees(rng, 2, topk, num_steps, flavor)
+    rng, gen, parents = case_inputs(case, batch=2)
     R, T = parents.shape
     Hk, Hv, Kd, Vd = 1, 2, 16, 8
-    gen = torch.Generator().manual_seed(seed)
     q, k = (F.normalize(torch.randn(R, T, Hk, Kd, generator=gen), dim=-1) for _ in range(2))
     v = torch.randn(R, T, Hv, Vd, generator=gen)
     g = -torch.rand(R, T, Hv, generator=gen)
@@ -150,12 +154,9 @@ def test_gated_delta_rule_equals_path_replay(case, impl):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("case", tree_cases()[::2])
 def test_selective_state_update_equals_path_replay(case, gated, impl):
-    seed, topk, num_steps, flavor = case
-    rng = random.Random(seed)
-    parents = eagle_trees(rng, 2, topk, num_steps, flavor)
+    rng, gen, parents = case_inputs(case, batch=2)
     R, T = parents.shape
     H, G, P, N = 4, 2, 8, 16
-    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(R, T, H, P, generator=gen)
     dt = torch.randn(R, T, H, generator=gen)
     A = -torch.rand(H, generator=gen) - 0.1
@@ -173,12 +174,9 @@ def test_selective_state_update_equals_path_replay(case, gated, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", tree_cases())
 def test_conv_reads_each_nodes_ancestor_path(case, impl):
-    seed, topk, num_steps, flavor = case
-    rng = random.Random(seed)
-    parents = eagle_trees(rng, 3, topk, num_steps, flavor)
+    rng, gen, parents = case_inputs(case, batch=3)
     R, T = parents.shape
     C, W, S = 6, 4, 5  # a conv state longer than W - 1, as vLLM's spec-decode buffers are
-    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(R, T, C, generator=gen)
     conv_state = torch.randn(R, C, S, generator=gen)
     weight, bias = torch.randn(C, W, generator=gen), torch.randn(C, generator=gen)
@@ -190,11 +188,8 @@ def test_conv_reads_each_nodes_ancestor_path(case, impl):
 
 @pytest.mark.parametrize("case", tree_cases())
 def test_commit_takes_the_accepted_paths_state_and_window(case):
-    seed, topk, num_steps, flavor = case
-    rng = random.Random(seed)
-    parents = eagle_trees(rng, 3, topk, num_steps, flavor)
+    rng, gen, parents = case_inputs(case, batch=3)
     R, T = parents.shape
-    gen = torch.Generator().manual_seed(seed)
     x, conv_state = torch.randn(R, T, 5, generator=gen), torch.randn(R, 5, 3, generator=gen)
     last = torch.tensor([rng.randrange(T) for _ in range(R)])
     window = RT.conv_state_after(x, parents, conv_state, last)

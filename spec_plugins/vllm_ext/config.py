@@ -192,22 +192,22 @@ def tree_lookahead_tokens(vllm_config, settings: TreeSettings) -> int:
     EAGLE trees: 0. The tree drafter keeps branch KV in a scratch tensor, and
     the head's own rows are the verified ones.
 
-    DDTree (method 'dflash'): vLLM's DFlash drafter writes and reads its query
-    block of 1 + L rows (bonus token, L mask rows) at positions p + 1 .. p + 1 + L,
-    p the last accepted position (``prepare_dflash_inputs``; V1's
-    ``copy_and_expand_dflash_inputs`` alike). A tree of depth <= min(L, T - 1)
-    accepts at most that many drafts, so p <= c + min(L, T - 1) for a step
-    verifying positions c .. c + T - 1, for which vLLM allocates slots through
-    position c + T - 1 + lookahead. Fewer, and DFlash's block lands in
-    block-table entries past the request's blocks: stale ids of whichever
-    request used that row before.
-    At least 1: vLLM 0.33 divides max_num_batched_tokens by it for DFlash
-    (``VllmConfig._set_max_num_scheduled_tokens``)."""
+    DDTree (method 'dflash'): L + 1, what vLLM reserves for its own DFlash
+    chain. vLLM's DFlash drafter writes and reads its query block of 1 + L rows
+    (bonus token, L mask rows) at positions p + 1 .. p + 1 + L, p the last
+    accepted position (``prepare_dflash_inputs``; V1's
+    ``copy_and_expand_dflash_inputs`` alike), and it drafts for every request
+    of a step, a prefill chunk's included: after a chunk ending at position e
+    (or a step with no drafts) only e's slots are allocated, so the block needs
+    L + 1 slots past them; after a verified tree fewer would do. Fewer, and the
+    block lands in block-table entries past the request's blocks: stale ids of
+    whichever request used that row before. vLLM 0.33 also caps a step's
+    requests at max_num_batched_tokens / lookahead, which V2's DFlash input
+    buffers (1 + L rows per request, max_num_batched_tokens in all) rely on."""
     spec = getattr(vllm_config, "speculative_config", None)
     if getattr(spec, "method", None) != BLOCK_DRAFTER_METHOD:
         return 0
-    L, T = settings.shape.num_steps, settings.shape.num_draft_tokens
-    return max(1, min(L, T - 1) + L + 2 - T)
+    return settings.shape.num_steps + 1
 
 
 # ------------------------------------------------------------ engine arguments

@@ -376,7 +376,7 @@ SEAMS: tuple[Seam, ...] = (
          platform="cpu"),
     # --- tree drafting on vLLM's head (proposer.py) and single-pass verify (attention.py) ------------------------
     Seam("vllm.config:VllmConfig", "num_lookahead_tokens", "attr", why="patched in tree mode: 0 for EAGLE trees "
-         "(no drafter KV past the verify rows), DFlash's query block for DDTree", stage=REG),
+         "(no drafter KV past the verify rows), L + 1 for DDTree (DFlash's query block, as vLLM's chain)", stage=REG),
     Seam("vllm.sampling_params:SamplingParams", "_validate_spec_decode", "method", "speculative_config",
          "patched: skipped for tree engines, which serve min_p / logit_bias requests", stage=REG),
     Seam("vllm.forward_context", "set_forward_context", "method", "attn_metadata, vllm_config, num_tokens, "

