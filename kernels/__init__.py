@@ -15,6 +15,8 @@ Ops (``api.py`` documents shapes, dtypes and layouts):
 * ``build_block_tree``   DDTree: best-first tree over a block drafter's per-position top-K
                          (``block_tree.py``; ``BlockTree``, ``block_tree_capacity``, ``BlockTreeShape``).
 * ``move_accepted_kv``   compact the accepted path's KV to the front of the verify slots.
+* ``keyed_randoms``      the sampled walk's randoms hashed from each request's seed and position
+                         (``keyed_randoms.py``): the same on every tensor-parallel rank.
 * ``recurrent_tree``     hybrid models' recurrent layers over a tree (GDN, Mamba2, causal conv;
                          ``recurrent_tree.py``): each node from its parent's state.
 * ``mask_bytes_per_request`` memory of each mask mode.

@@ -53,12 +53,13 @@ _AUTO_PREFERENCE = {
     "block_tree": ("triton", "torch"),  # DDTree's block tree (``block_tree.py``): no CUDA C++ kernel
     "from_parents": ("triton", "torch"),  # tree_from_parents: 1 launch vs ~120 ops (not timed on a GPU yet); no C++
     "recurrent": ("triton", "torch"),  # recurrent layers over a tree (``recurrent_tree.py``): one launch per op; no C++
+    "keyed_randoms": ("triton", "torch"),  # the sampled walk's hashed randoms: 1 launch vs ~50 per vocab chunk; no C++
 }
 # The implementations an op accepts where not all of IMPLS: asked for another
 # one it raises ValueError, and ``SPEC_TREE_KERNELS_IMPL`` naming another one
 # leaves the op on ``auto``. (Selection accepts "cuda" and runs the reference.)
 _OP_IMPLS = {"attention": ("torch", "triton", "cpu"), "block_tree": ("torch", "triton"),
-             "recurrent": ("torch", "triton")}  # others: no "cpu"
+             "recurrent": ("torch", "triton"), "keyed_randoms": ("torch", "triton")}  # others: no "cpu"
 _OP_IMPLS.update({op: ("torch", "triton", "cuda") for op in _AUTO_PREFERENCE if op not in _OP_IMPLS})
 IMPL_ENV = "SPEC_TREE_KERNELS_IMPL"
 

@@ -38,7 +38,7 @@ from .triton_launch import Launch, Variant, capturing
 
 logger = logging.getLogger("spec_tree_kernels")
 # the api ops with Triton kernels, attention aside
-TRITON_OPS = ("select", "from_parents", "verify", "verify_sampling", "move_kv", "block_tree")
+TRITON_OPS = ("select", "from_parents", "verify", "verify_sampling", "keyed_randoms", "move_kv", "block_tree")
 
 
 def prepare(device, build_timeout: float | None = None) -> dict[str, str]:
@@ -292,7 +292,7 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
     """One ``Launch`` per Triton variant serving ``config`` on ``device`` can
     make, each captured from the public entry point serving calls
     (``api.select_tree_nodes`` / ``tree_from_parents`` / ``verify_tree_greedy`` /
-    ``verify_tree_sampling`` / ``move_accepted_kv`` / ``build_block_tree``,
+    ``verify_tree_sampling`` / ``keyed_randoms`` / ``move_accepted_kv`` / ``build_block_tree``,
     ``TreeAttentionPlan``) on small dummy inputs of
     the dtypes, strides and alignment serving passes.
 
@@ -352,6 +352,10 @@ def serving_launches(config: ServingConfig, device, *, impls: dict[str, str] | N
                 zeros(1, n), links, links, zeros(1, n, config.vocab_size, dtype=p), zeros(1, n, dtype=p),
                 torch.ones(1, config.vocab_size, dtype=p, device=device), config.verify_depth,
                 impl=impls["verify_sampling"]))
+        if "keyed_randoms" in triton_ops:  # the sampled walk's randoms on vLLM's V2 runner (verify_v2)
+            from .keyed_randoms import keyed_randoms
+
+            add(lambda n=nodes: keyed_randoms(zeros(1), zeros(1), n, config.vocab_size, impl=impls["keyed_randoms"]))
         if "move_kv" in triton_ops and kv_caches:  # nothing accepted: reads the slots, moves no row
             add(lambda n=nodes: api.move_accepted_kv(
                 kv_caches, zeros(1, n), torch.full((1, width), -1, dtype=config.accept_dtype, device=device),

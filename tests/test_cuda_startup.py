@@ -58,7 +58,7 @@ def test_no_nvcc_falls_back_to_triton_and_says_why(fresh_state, monkeypatch, cap
     expected = "triton" if stk.api.triton_available() else "torch"
     assert impls == {"select": expected, "build": expected, "verify": expected, "verify_sampling": expected,
                      "move_kv": expected, "attention": expected, "block_tree": expected, "from_parents": expected,
-                     "recurrent": expected}
+                     "recurrent": expected, "keyed_randoms": expected}
     assert not list(fresh_state.glob("*.lock")), "no build was attempted, so no lock is left"
 
 

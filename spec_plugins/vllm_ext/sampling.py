@@ -16,7 +16,7 @@ A request with a seed draws its own from its vLLM generator (the same
 reproducible under one engine configuration; the others share one batched
 draw. The per-seeded-request loop is vLLM's own pattern (``random_sample``).
 On Model Runner V2 (``verify_v2``) every request's randoms are instead a hash
-of V2's per-request seed and the root's position (``keyed_randoms``).
+of V2's per-request seed and the root's position (``spec_tree_kernels.keyed_randoms``).
 """
 
 from __future__ import annotations
@@ -105,75 +105,6 @@ def verify_in_blocks(shape: tuple[int, int, int], probs_of, randoms_of, walk_of,
     if len(parts) == 1:
         return parts[0]
     return type(parts[0])(*(torch.cat(field) for field in zip(*parts)))
-
-
-# The V2 walk's randoms are a hash of (vLLM's per-request seed, the root's position, an offset), the
-# way V2's own sampler keys its Gumbel noise (murmur3 over seed, position, token: ``murmur3_hash32`` in
-# vllm/v1/worker/gpu/sample/gumbel.py). Tensor-parallel ranks hold the same seeds (vLLM draws an
-# unseeded request's seed from numpy, seeded alike on every rank), so they walk alike whatever their
-# CUDA RNG streams did. vLLM's helpers are Triton device functions; these are torch ops (any device,
-# capturable, no host read). The domains keep the walk's streams apart from each other and from V2's
-# own draws (its domains: 0 and 0x9E3779B9).
-_MASK32 = 0xFFFFFFFF
-COIN_DOMAIN = 0x436F696E
-EXPONENTIAL_DOMAIN = 0x45787031
-# int64 temporaries of one hash chunk of the [B, V] exponentials, at most (the loop is over host-known sizes)
-HASH_CHUNK_BYTES = 16 << 20
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2**32 for x in [0, 2**32): c split in 16-bit halves, so no int64 product overflows."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
-
-
-def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
-    return ((x << r) | (x >> (32 - r))) & _MASK32
-
-
-def _murmur3_mix(h: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    key = _mul32(_rotl32(_mul32(key, 0xCC9E2D51), 15), 0x1B873593)
-    h = _rotl32(h ^ key, 13)
-    return (h * 5 + 0xE6546B64) & _MASK32
-
-
-def _murmur3_fmix(h: torch.Tensor) -> torch.Tensor:
-    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
-    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _hash_prefix(seeds: torch.Tensor, positions: torch.Tensor, domain: int) -> torch.Tensor:
-    """[B, 1] the hash state after (domain, seed, position): shared by every offset of a request."""
-    h = torch.full_like(seeds, domain)
-    h = _murmur3_mix(h, seeds & _MASK32)
-    h = _murmur3_mix(h, (seeds >> 32) & _MASK32)
-    return _murmur3_mix(h, positions & _MASK32)[:, None]
-
-
-def _hash32(prefix: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[B, n] int64 in [0, 2**32): murmur3 of (prefix's keys, offset), 16 bytes hashed."""
-    return _murmur3_fmix(_murmur3_mix(prefix, offsets[None, :]) ^ 16)
-
-
-def keyed_randoms(seeds: torch.Tensor, positions: torch.Tensor, nodes: int, vocab: int,
-                  chunk_bytes: int = HASH_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
-    """coins [B, nodes] U[0, 1) and exponentials [B, vocab] Exp(1) (> 0), float32, for B requests,
-    each a function of its (seed, position) only: seeds [B] int64 (vLLM's per-request seeds),
-    positions [B] int64 (the tree root's). Coins are multiples of 2**-24, as torch.rand's; an
-    exponential is -log u for u = (h + 1/2) 2**-32 in (0, 1), computed in float64 so no u
-    rounds to 1 (an exponential of 0 would win the race whatever its token's probability)."""
-    device = seeds.device
-    seeds, positions = seeds.to(torch.int64), positions.to(torch.int64)
-    coin_bits = _hash32(_hash_prefix(seeds, positions, COIN_DOMAIN), torch.arange(nodes, device=device))
-    coins = (coin_bits >> 8).to(torch.float32).mul_(2.0 ** -24)
-    prefix = _hash_prefix(seeds, positions, EXPONENTIAL_DOMAIN)
-    exponentials = torch.empty((len(seeds), vocab), dtype=torch.float32, device=device)
-    columns = max(1, chunk_bytes // (8 * max(1, len(seeds))))
-    for start in range(0, vocab, columns):
-        stop = min(vocab, start + columns)
-        bits = _hash32(prefix, torch.arange(start, stop, device=device))
-        exponentials[:, start:stop] = bits.to(torch.float64).add_(0.5).mul_(2.0 ** -32).log_().neg_()
-    return coins, exponentials
 
 
 def draw_randoms(batch_rows: list[int], nodes: int, vocab: int, generators: dict, device) -> tuple:

@@ -13,7 +13,7 @@ root (``input_batch.logits_indices``; request r's rows are
    no seed) by target-only rejection (``verify_tree_sampling``) on the
    distribution V2's sampler would draw from at every node (its own
    ``apply_sampling_params``), with randoms keyed on V2's per-request seed and
-   the root's position (``sampling.keyed_randoms``), as V2 keys its own draws:
+   the root's position (``spec_tree_kernels.keyed_randoms``), as V2 keys its own draws:
    tensor-parallel ranks accept the same paths whatever their CUDA RNG
    streams; accepted path tokens then the bonus,
    ``num_sampled = accepted + 1``, ``num_rejected = drafts - accepted``, as
@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 
 import spec_tree_kernels as stk
+from spec_tree_kernels.keyed_randoms import keyed_randoms
 
-from .sampling import keyed_randoms, verify_in_blocks
+from .sampling import verify_in_blocks
 
 
 class TreeVerifierV2:

@@ -1,5 +1,5 @@
 """The V2 sampled tree walk's randoms (``verify_v2.TreeVerifierV2``): keyed on
-vLLM's per-request seed and the root's position (``sampling.keyed_randoms``), as
+vLLM's per-request seed and the root's position (``spec_tree_kernels.keyed_randoms``), as
 V2's own sampler keys its draws, never on the process's global RNG. Under
 tensor parallelism every rank walks its own copy of the batch: ranks whose
 CUDA RNG streams drifted apart would accept different paths, move different KV
@@ -34,7 +34,7 @@ import chisquare  # noqa: E402
 import test_tree_sampling as ts  # noqa: E402
 
 import spec_tree_kernels as stk  # noqa: E402
-from spec_plugins.vllm_ext.sampling import keyed_randoms  # noqa: E402
+from spec_tree_kernels.keyed_randoms import keyed_randoms, keyed_randoms_reference  # noqa: E402
 from spec_plugins.vllm_ext.verify_v2 import TreeVerifierV2  # noqa: E402
 
 VOCAB = 4096  # near-uniform target rows: almost every draft is rejected, the bonus is a fresh draw
@@ -132,7 +132,7 @@ def test_keyed_randoms_are_a_function_of_seed_and_position_only():
     torch.manual_seed(0)
     a = keyed_randoms(seeds, positions, 8, 300)
     torch.manual_seed(1)
-    b = keyed_randoms(seeds, positions, 8, 300, chunk_bytes=64)  # chunked over the vocabulary: same values
+    b = keyed_randoms_reference(seeds, positions, 8, 300, chunk_bytes=64)  # chunked over the vocabulary: same
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     c = keyed_randoms(seeds, positions + 1, 8, 300)
     assert not (a[0] == c[0]).any() and (a[1] != c[1]).float().mean() > 0.99
