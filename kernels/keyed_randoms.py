@@ -102,5 +102,6 @@ def keyed_randoms(seeds: torch.Tensor, positions: torch.Tensor, nodes: int, voca
         from . import keyed_randoms_triton
 
         # fresh copies: a slice's offset would make another Triton variant than the warmed one
-        return keyed_randoms_triton.keyed_randoms(seeds.clone(), positions.clone(), nodes, vocab)
+        return keyed_randoms_triton.keyed_randoms(seeds.clone(), positions.clone(), nodes, vocab, COIN_DOMAIN,
+                                                  EXPONENTIAL_DOMAIN)
     return keyed_randoms_reference(seeds, positions, nodes, vocab)

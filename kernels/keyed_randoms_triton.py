@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .keyed_randoms import COIN_DOMAIN, EXPONENTIAL_DOMAIN
 from .triton_launch import launch
 
 _BLOCK = 1024
@@ -69,11 +68,12 @@ def _keyed_randoms_kernel(
     tl.store(coins_ptr + b * nodes + cols, coins, mask=cols < nodes)
 
 
-def keyed_randoms(seeds: torch.Tensor, positions: torch.Tensor, nodes: int, vocab: int):
+def keyed_randoms(seeds: torch.Tensor, positions: torch.Tensor, nodes: int, vocab: int, coin_domain: int,
+                  exponential_domain: int):
     batch = seeds.shape[0]
     coins = torch.empty(batch, nodes, dtype=torch.float32, device=seeds.device)
     exponentials = torch.empty(batch, vocab, dtype=torch.float32, device=seeds.device)
     grid = (batch, triton.cdiv(max(nodes, vocab), _BLOCK))
     launch(_keyed_randoms_kernel, grid, seeds, positions, coins, exponentials, nodes, vocab,
-           COIN=COIN_DOMAIN, EXPONENTIAL=EXPONENTIAL_DOMAIN, BLOCK=_BLOCK)
+           COIN=coin_domain, EXPONENTIAL=exponential_domain, BLOCK=_BLOCK)
     return coins, exponentials
