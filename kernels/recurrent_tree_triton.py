@@ -3,7 +3,7 @@
 One program per (request, head, block of value / head dims) walks the tree's
 nodes in order; a node's parent precedes it, so the parent's state was
 written by the same program (a barrier orders the store before the next
-node's load). Grids and constexprs are fixed by the shapes: capturable, no
+node's load; one pipeline stage, so no load is hoisted above it). Grids and constexprs are fixed by the shapes: capturable, no
 host read. Values equal the reference (``recurrent_tree_reference``) up to
 float32 summation order.
 """
@@ -19,11 +19,13 @@ from .triton_launch import launch
 
 @triton.jit
 def _parent_state(init_ptr, states_ptr, parent, r, head, T, H, tile, mask, STATE: tl.constexpr):
-    """The state a node starts from: the committed one under the root, else its parent's."""
-    from_init = tl.load(init_ptr + (r * H + head) * STATE + tile, mask=mask, other=0.0)
-    parent_row = (r * T + tl.maximum(parent, 0)) * H + head
-    from_parent = tl.load(states_ptr + parent_row * STATE + tile, mask=mask, other=0.0)  # unwritten under the root
-    return tl.where(parent < 0, from_init, from_parent)
+    """The state a node starts from: the committed one under the root, else its
+    parent's (a scalar branch: one tile loaded, one live)."""
+    if parent < 0:
+        state = tl.load(init_ptr + (r * H + head) * STATE + tile, mask=mask, other=0.0)
+    else:
+        state = tl.load(states_ptr + ((r * T + parent) * H + head) * STATE + tile, mask=mask, other=0.0)
+    return state
 
 
 @triton.jit
@@ -144,9 +146,9 @@ def tree_gated_delta_rule(q, k, v, g, beta, parents, initial_state, scale: float
     states = torch.empty(R, T, Hv, K, V, dtype=torch.float32, device=v.device)
     out = torch.empty(R, T, Hv, V, dtype=v.dtype, device=v.device)
     BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), max(16, 8192 // BK))  # a [BK, BV] float32 tile in registers
+    BV = min(triton.next_power_of_2(V), max(16, 4096 // BK))  # a [BK, BV] float32 tile: 32 registers a thread
     launch(_gated_delta_tree_kernel, (R * Hv, triton.cdiv(V, BV)), q, k, v, g, beta, parents, initial_state,
-           states, out, float(scale), T, Hk, Hv, K=K, V=V, BK=BK, BV=BV)
+           states, out, float(scale), T, Hk, Hv, K=K, V=V, BK=BK, BV=BV, num_stages=1)
     return out, states
 
 
@@ -156,10 +158,10 @@ def tree_selective_state_update(x, dt, A, B, C, D, dt_bias, parents, initial_sta
     states = torch.empty(R, T, H, P, N, dtype=torch.float32, device=x.device)
     out = torch.empty(R, T, H, P, dtype=x.dtype, device=x.device)
     BN = triton.next_power_of_2(N)
-    BP = min(triton.next_power_of_2(P), max(16, 8192 // BN))
+    BP = min(triton.next_power_of_2(P), max(16, 4096 // BN))
     launch(_ssm_tree_kernel, (R * H, triton.cdiv(P, BP)), x, dt, A, D, dt_bias, B, C, x if z is None else z,
            parents, initial_state, states, out, T, H, G, P=P, N=N, BP=BP, BN=BN, HAS_Z=z is not None,
-           DT_SOFTPLUS=bool(dt_softplus))
+           DT_SOFTPLUS=bool(dt_softplus), num_stages=1)
     return out, states
 
 
