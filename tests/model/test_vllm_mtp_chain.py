@@ -124,10 +124,9 @@ def test_the_acceptance_floor_catches_a_random_mtp_layer(reference):
         assert_chain_accepts("mimo", counters)
 
 
-def test_the_identity_check_catches_a_verifier_that_accepts_every_draft(reference, monkeypatch):
-    """A deliberate break: vLLM's rejection sampler fed target logits that
-    peak at each draft token (so it accepts every draft, wrong ones too).
-    The chain still drafts and its outputs must no longer match greedy."""
+def accepting_every_draft():
+    """vLLM's ``rejection_sample`` fed target logits that peak at each draft
+    token: a deliberately broken verifier that accepts every draft."""
     from vllm.v1.sample import rejection_sampler
 
     honest = rejection_sampler.rejection_sample
@@ -139,7 +138,16 @@ def test_the_identity_check_catches_a_verifier_that_accepts_every_draft(referenc
         return honest(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                       target_logits, *args, **kwargs)
 
-    monkeypatch.setattr(rejection_sampler, "rejection_sample", accept_all)
+    return accept_all
+
+
+def test_the_identity_check_catches_a_verifier_that_accepts_every_draft(reference, monkeypatch):
+    """A deliberate break: vLLM's rejection sampler fed target logits that
+    peak at each draft token (so it accepts every draft, wrong ones too).
+    The chain still drafts and its outputs must no longer match greedy."""
+    from vllm.v1.sample import rejection_sampler
+
+    monkeypatch.setattr(rejection_sampler, "rejection_sample", accepting_every_draft())
     got, counters = run(mtp_target("mimo"), speculative_config=dict(MTP_CHAIN))
     assert counters["num_accepted_tokens"] > 0, counters
     with pytest.raises(AssertionError, match="vs MTP chain"):
