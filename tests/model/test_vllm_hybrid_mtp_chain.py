@@ -175,13 +175,13 @@ def test_the_bf16_tie_allowance_catches_a_verifier_that_accepts_every_draft(runs
 def test_tree_mode_refuses_a_hybrid_target_naming_its_recurrent_layers(arch):
     """Today's baseline: spec_tree stops a hybrid target when vLLM builds its
     config (before any weight loads), naming the layer kind it cannot verify
-    a tree through."""
-    from vllm import LLM
+    a tree through (vLLM's EngineArgs, as ``LLM`` and ``vllm serve`` build it)."""
+    from vllm.engine.arg_utils import EngineArgs
 
     spec_tree = {"speculative_config": {"method": "mtp"},
                  "additional_config": {"spec_tree": dict(zip(("num_steps", "topk", "num_draft_tokens"), TREE))}}
     with pytest.raises(TreeConfigError) as refused:
-        LLM(**engine_kwargs(mtp_target(arch), dtype=DTYPE[arch], **spec_tree))
+        EngineArgs(**engine_kwargs(mtp_target(arch), dtype=DTYPE[arch], **spec_tree)).create_engine_config()
     message = str(refused.value)
     assert f"is a hybrid with recurrent layers: {LAYER_KIND[arch]}" in message, message
     assert "without spec_tree" in message, message
