@@ -199,5 +199,4 @@ def commit_path_states(node_states: torch.Tensor, last_node: torch.Tensor, state
         raise ValueError(f"node_states {tuple(node_states.shape)}, last_node {tuple(last_node.shape)}, slots "
                          f"{tuple(slots.shape)}, state_pool {tuple(state_pool.shape)}: expected [R, T, ...], [R], "
                          f"[R] and [S, ...] with the same trailing dims")
-    index = last_node.reshape((R, 1) + (1,) * (node_states.dim() - 2)).expand((R, 1) + node_states.shape[2:])
-    state_pool.index_copy_(0, slots, node_states.gather(1, index)[:, 0].to(state_pool.dtype))
+    state_pool.index_copy_(0, slots, reference.node_rows(node_states, last_node).to(state_pool.dtype))

@@ -71,14 +71,17 @@ def conv_state_after(x: torch.Tensor, parents: torch.Tensor, conv_state: torch.T
     return _inputs_at(x, conv_state, path)[:, 0].transpose(1, 2).to(conv_state.dtype)
 
 
+def node_rows(per_node: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+    """per_node [R, T, ...], node [R] int64 in [0, T) -> [R, ...]: each request's row of its node."""
+    index = node.reshape((-1, 1) + (1,) * (per_node.dim() - 2)).expand((node.shape[0], 1) + per_node.shape[2:])
+    return per_node.gather(1, index)[:, 0]
+
+
 def _parent_states(states: torch.Tensor, initial: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
     """Each request's state before its node: the committed one under the root,
     else the parent's (states [R, T, ...], initial [R, ...], parent [R])."""
-    shape = (parent.shape[0], 1) + states.shape[2:]
-    index = parent.clamp(min=0).reshape((-1, 1) + (1,) * (states.dim() - 2)).expand(shape)
-    from_parent = states.gather(1, index)[:, 0]
     under_root = (parent < 0).reshape((-1,) + (1,) * (initial.dim() - 1))
-    return torch.where(under_root, initial, from_parent)
+    return torch.where(under_root, initial, node_rows(states, parent.clamp(min=0)))
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, parents, initial_state, scale: float):

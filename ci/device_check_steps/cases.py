@@ -3,7 +3,7 @@
 Draft trees and tokens with real acceptance come from the benchmark harness
 (``spec_plugins.kernel_bench.tree_ops``: draft_tree, tokens_with_acceptance),
 so the checks and the timings run on the same kind of input; here are the
-rest: open selections, sampled-verify arguments, KV cache layouts.
+rest: random trees, open selections, sampled-verify arguments, KV cache layouts.
 """
 
 from __future__ import annotations
@@ -11,6 +11,12 @@ from __future__ import annotations
 import torch
 
 import spec_tree_kernels as K
+
+
+def random_parents(g: torch.Generator, batch: int, nodes: int) -> torch.Tensor:
+    """[batch, nodes] BFS-ordered random trees: node t's parent uniform in [0, t), the root's -1."""
+    return torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(nodes - 1, generator=g) * torch.arange(1, nodes)).long()])
+                        for _ in range(batch)])
 
 
 def open_selection(topk, num_steps, nodes, batch, gen) -> torch.Tensor:

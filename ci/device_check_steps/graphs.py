@@ -46,16 +46,12 @@ import torch
 import spec_tree_kernels as stk
 from spec_plugins.tree_drafting import TreeShape, block_topk, block_trees, grow_level, select_trees
 
+from .cases import random_parents
 from .plumbing import CheckRun
 from .recurrent import recurrent_graph_inputs, recurrent_step
 
 R, K, S, T, H, V = 8, 4, 5, 8, 64, 512
 HQ, HKV, D, BLOCK, BLOCKS = 4, 2, 32, 16, 64  # attention cases: heads, head dim, cache blocks of BLOCK tokens
-
-
-def random_parents(g: torch.Generator, batch: int, nodes: int) -> torch.Tensor:
-    return torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(nodes - 1, generator=g) * torch.arange(1, nodes)).long()])
-                        for _ in range(batch)])
 
 
 def draft_level_inputs(seed: int, device):

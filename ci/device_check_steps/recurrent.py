@@ -15,17 +15,12 @@ import torch.nn.functional as F
 
 from spec_tree_kernels import recurrent_tree as RT
 
+from .cases import random_parents
 from .plumbing import Tally
 
 # (batch, nodes, GDN heads k/v, K = V, Mamba2 heads, groups, P, N)
 FULL = [(1, 8, 2, 4, 128, 8, 1, 64, 128), (8, 16, 2, 4, 128, 8, 2, 64, 128), (32, 32, 1, 2, 128, 4, 1, 64, 128)]
 REDUCED = [(2, 6, 1, 2, 16, 2, 1, 8, 16)]
-
-
-def random_parents(g: torch.Generator, batch: int, nodes: int) -> torch.Tensor:
-    """BFS-ordered random trees: node t's parent uniform in [0, t)."""
-    ranks = torch.rand(batch, nodes - 1, generator=g) * torch.arange(1, nodes)
-    return torch.cat([torch.full((batch, 1), -1), ranks.long()], dim=1)
 
 
 def recurrent_inputs(case, seed: int, device):
