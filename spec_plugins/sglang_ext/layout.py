@@ -36,6 +36,8 @@ import spec_tree_kernels as stk
 from spec_tree_kernels import TreeMaskMode, parse_mask_mode
 from spec_tree_kernels.modes import OWN_MODES
 
+from spec_plugins.tree_drafting import row_chunks
+
 from .config import ALGORITHM_NAME
 
 logger = logging.getLogger(__name__)
@@ -305,29 +307,24 @@ def top_p_renorm_prob_torch(probs: torch.Tensor, top_p) -> torch.Tensor:
     return _keep_renormalized(probs, pivot)
 
 
-# Rows min-p renormalises at once: its one temporary, a bool mask of rows x
-# vocab, stays within 16 MB however large the batch (a whole fp32 [rows, V]
-# copy is about 200 MB at bs 48, T 8 and a 128k vocabulary, outside SGLang's
-# memory planner).
-MIN_P_CHUNK_ELEMENTS = 1 << 24
-
-
 def min_p_renorm_prob_(probs: torch.Tensor, min_p) -> torch.Tensor:
     """In place: keep probabilities >= min_p * the row's largest (SGLang's
     sampler: FlashInfer's ``min_p_sampling_from_probs`` and its torch path),
     renormalise; returns ``probs``. probs [rows, V]; min_p scalar or [rows].
-    In place and by row chunks so that the step allocates no [rows, V]
-    tensor: the verify's ``target_probs`` is SGLang's, made for this call
-    and dropped after it (``eagle_sample``). The chunks follow shapes: no
-    host read, capturable."""
+    In place and by ``row_chunks`` (its one temporary, a bool mask of a chunk,
+    stays within 16 MB however large the batch) so that the step allocates no
+    [rows, V] tensor, about 200 MB in fp32 at bs 48, T 8 and a 128k vocabulary,
+    outside SGLang's memory planner: the verify's ``target_probs`` is SGLang's,
+    made for this call and dropped after it (``eagle_sample``). The chunks
+    follow shapes: no host read, capturable."""
     rows, vocab = probs.shape
     if rows == 0 or vocab == 0:
         return probs
     min_ps = _per_row(min_p, rows, probs.device, probs.dtype)
-    step = max(1, MIN_P_CHUNK_ELEMENTS // vocab)
-    for start in range(0, rows, step):
-        chunk = probs[start : start + step]
-        threshold = chunk.amax(dim=-1, keepdim=True).mul_(min_ps[start : start + step, None])
+    start = 0
+    for chunk in row_chunks(probs):
+        threshold = chunk.amax(dim=-1, keepdim=True).mul_(min_ps[start : start + len(chunk), None])
+        start += len(chunk)
         # not (p >= threshold), rather than p < threshold: a NaN is dropped, as torch.where(p >= t, p, 0) drops it
         chunk.masked_fill_(chunk.ge(threshold).logical_not_(), 0.0)
         chunk.div_(chunk.sum(dim=-1, keepdim=True))

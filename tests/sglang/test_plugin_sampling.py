@@ -641,7 +641,9 @@ def test_min_p_renormalises_sglangs_target_probs_in_place(monkeypatch, chunk_row
     saw (about 0.2 GB at bs 48, T 8, 128k vocabulary): what min-p adds to the
     call's peak stays within one bool mask of the rows."""
     if chunk_rows is not None:
-        monkeypatch.setattr(layout, "MIN_P_CHUNK_ELEMENTS", chunk_rows * 4096, raising=False)
+        from spec_plugins import tree_drafting
+
+        monkeypatch.setattr(tree_drafting, "FLOAT32_CHUNK_ELEMENTS", chunk_rows * 4096)
     gen = torch.Generator().manual_seed(6)
     bs, vocab = 8, 4096
     rows = bs * NODES
